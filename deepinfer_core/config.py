@@ -1,0 +1,181 @@
+"""The engine's configuration tree: frozen dataclasses, verified on construction.
+
+`EngineArgs.create_engine_config()` builds it; every component receives the
+part it needs. Bad combinations raise `ValueError` naming the fields.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+
+from deepinfer_core.engine_type import EngineType
+from deepinfer_core.role_profile import RoleProfile, role_profile
+
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+}
+
+
+def parse_dtype(dtype: str | torch.dtype, device: str) -> torch.dtype:
+    """'auto' means bf16 on CUDA and fp32 on CPU (CPU half-precision GEMMs are slow)."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        return torch.bfloat16 if device.startswith("cuda") else torch.float32
+    try:
+        return _DTYPES[dtype]
+    except KeyError:
+        raise ValueError(f"unknown dtype {dtype!r}; choose one of auto, {', '.join(sorted(_DTYPES))}") from None
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    path: str
+    """Directory holding config.json, safetensors weights and tokenizer files."""
+    hf_config: dict[str, Any] = field(repr=False)
+    """The parsed config.json."""
+    dtype: torch.dtype
+    """Parameter and activation dtype."""
+    max_model_len: int
+    """Longest sequence (prompt + output) the engine accepts."""
+    seed: int = 0
+    """Seed for weights of built-in models and for sampling without a per-request seed."""
+    builtin: bool = False
+    """True when `path` is the embedded tiny model (weights made from a fixed seed)."""
+    tokenizer: Optional[str] = None
+    """Tokenizer directory; None means `path`."""
+
+    def __post_init__(self) -> None:
+        limit = self.hf_config.get("max_position_embeddings")
+        if self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if limit is not None and self.max_model_len > limit and not self.hf_config.get("rope_scaling"):
+            raise ValueError(
+                f"max_model_len={self.max_model_len} exceeds the model's max_position_embeddings={limit}"
+            )
+
+    @property
+    def architecture(self) -> str:
+        archs = self.hf_config.get("architectures") or []
+        return archs[0] if archs else self.hf_config.get("model_type", "unknown")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    """Tokens per paged KV block."""
+    num_gpu_blocks: Optional[int] = None
+    """Fixed number of KV blocks; None means: measure with `profile_run`."""
+    gpu_memory_utilization: float = 0.9
+    """Fraction of device memory the engine may use (weights + activations + KV)."""
+    cpu_kv_cache_bytes: int = 512 * 1024 * 1024
+    """KV budget when running on CPU (no device memory to measure)."""
+    enable_prefix_caching: bool = True
+    """Reuse full KV blocks across requests by chain hash of their tokens."""
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.num_gpu_blocks is not None and self.num_gpu_blocks < 1:
+            raise ValueError(f"num_gpu_blocks must be >= 1, got {self.num_gpu_blocks}")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    engine_type: EngineType = EngineType.NORMAL
+    data_parallel_size: int = 1
+    """DP-attention ranks stepping in lockstep (NORMAL engines vote on the step kind)."""
+    data_parallel_rank: int = 0
+    context_parallel_size: int = 1
+    expert_parallel_size: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("data_parallel_size", "context_parallel_size", "expert_parallel_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not 0 <= self.data_parallel_rank < self.data_parallel_size:
+            raise ValueError(
+                f"data_parallel_rank={self.data_parallel_rank} outside [0, {self.data_parallel_size})"
+            )
+
+    @property
+    def role(self) -> RoleProfile:
+        return role_profile(self.engine_type)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    engine_type: EngineType
+    max_model_len: int
+    max_num_batched_tokens: int
+    """Token budget of one step (prefill tokens + one per decode sequence)."""
+    max_num_seqs: int = 256
+    """Most sequences in one step."""
+    chunked_prefill: bool = False
+    """Split a long prompt across steps instead of refusing prompts over the budget."""
+    stop_preempted_request: bool = False
+    """On KV exhaustion, stop the preempted request (True) or recompute it later (False)."""
+    prefill_kv_watermark: float = 0.95
+    """NORMAL + DP: a rank wants to prefill only while KV usage is at or under this."""
+    num_decode_tokens_per_seq: int = 1
+    """1 + draft tokens (nextn) a decode step feeds per sequence."""
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if not self.chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) is smaller than "
+                f"max_model_len ({self.max_model_len}) with chunked_prefill=False: a prompt of "
+                "max_model_len tokens could never be scheduled. Enable chunked_prefill or raise "
+                "max_num_batched_tokens."
+            )
+        if self.engine_type == EngineType.COMPLETION and not self.stop_preempted_request:
+            raise ValueError(
+                "COMPLETION engine cannot recompute preempted requests (it has no prefill channel); "
+                "it must be started with stop_preempted_request=True (--stop-preempted-request)"
+            )
+
+    @property
+    def prompt_limit(self) -> int:
+        """Longest prompt this scheduler can admit."""
+        if self.chunked_prefill:
+            return self.max_model_len
+        return min(self.max_model_len, self.max_num_batched_tokens)
+
+    @property
+    def max_num_decoding_tokens(self) -> int:
+        return self.max_num_seqs * self.num_decode_tokens_per_seq
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig
+    cache: CacheConfig
+    scheduler: SchedulerConfig
+    parallel: ParallelConfig
+    device: str
+    """'cpu' or 'cuda[:N]'."""
+    enforce_eager: bool = False
+
+    @property
+    def engine_type(self) -> EngineType:
+        return self.parallel.engine_type
+
+    @property
+    def role(self) -> RoleProfile:
+        return self.parallel.role

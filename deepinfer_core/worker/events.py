@@ -1,0 +1,43 @@
+"""Completion events for work queued off the engine thread.
+
+On CUDA an event is recorded on the current stream. On CPU the same contract is kept
+with a worker thread: the work runs asynchronously and `synchronize()` waits for it,
+so code that forgets to synchronise is wrong on both devices, not only on GPUs.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Callable
+
+import torch
+
+_host_queue = ThreadPoolExecutor(max_workers=1, thread_name_prefix="deepinfer-host-copy")
+
+
+class DeviceEvent:
+    def __init__(self, cuda_event: "torch.cuda.Event | None" = None, future: "Future | None" = None):
+        self._cuda = cuda_event
+        self._future = future
+
+    def synchronize(self) -> None:
+        if self._cuda is not None:
+            self._cuda.synchronize()
+        elif self._future is not None:
+            self._future.result()
+
+    def query(self) -> bool:
+        """True when the work is complete."""
+        if self._cuda is not None:
+            return self._cuda.query()
+        return self._future is None or self._future.done()
+
+
+def launch_async(fn: Callable[[], None], device: torch.device) -> DeviceEvent:
+    """Queue `fn` (device copies) and return its completion event."""
+    if device.type == "cuda":
+        fn()
+        event = torch.cuda.Event()
+        event.record()
+        return DeviceEvent(cuda_event=event)
+    return DeviceEvent(future=_host_queue.submit(fn))

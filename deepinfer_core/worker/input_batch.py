@@ -1,0 +1,92 @@
+"""Turn a scheduled step into model inputs: flat tokens, positions, attention metadata.
+
+Sequence i of the step feeds tokens [num_cached_tokens, num_cached_tokens + n_i):
+fresh prompts, chunks, prompts after prefix hits and decode tokens are all the same case.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from deepinfer_core.models.layers.attention import AttentionMetadata
+from deepinfer_core.sequence import Sequence
+
+
+@dataclass
+class ModelInput:
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    attn_meta: AttentionMetadata
+    sample_indices: list[int]  # row of the hidden states each sampling sequence samples from
+    prompt_logprob_spans: list[tuple[int, int, int, int]]
+    """(batch index, first row, number of rows, first position) for prompt-logprob rows."""
+
+
+def build_model_input(
+    seqs: list[Sequence],
+    num_new_tokens: list[int],
+    block_size: int,
+    device: torch.device,
+    want_prompt_logprobs: bool = True,
+) -> ModelInput:
+    tokens: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    sample_indices: list[int] = []
+    spans: list[tuple[int, int, int, int]] = []
+    seq_lens, query_lens = [], []
+    for i, (seq, n) in enumerate(zip(seqs, num_new_tokens)):
+        start, end = seq.num_cached_tokens, seq.num_cached_tokens + n
+        row0 = len(tokens)
+        tokens += seq.token_slice(start, end)
+        positions += range(start, end)
+        table = seq.block_table
+        slots += [table[p // block_size] * block_size + p % block_size for p in range(start, end)]
+        query_lens.append(n)
+        seq_lens.append(end)
+        if end == len(seq):
+            sample_indices.append(row0 + n - 1)
+        if want_prompt_logprobs and seq.params.prompt_logprobs is not None:
+            last = min(end, seq.num_prompt_tokens - 1)  # position p scores token p + 1
+            if last > start:
+                spans.append((i, row0, last - start, start))
+    width = max((len(s.block_table) for s in seqs), default=1)
+    table = torch.zeros((len(seqs), max(width, 1)), dtype=torch.int32)
+    for i, seq in enumerate(seqs):
+        table[i, : len(seq.block_table)] = torch.tensor(seq.block_table, dtype=torch.int32)
+    qsl = [0]
+    for q in query_lens:
+        qsl.append(qsl[-1] + q)
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        block_tables=table.to(device),
+        query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        query_lens_cpu=query_lens,
+        seq_lens_cpu=seq_lens,
+        is_decode_only=all(q == 1 for q in query_lens),
+    )
+    return ModelInput(
+        input_ids=torch.tensor(tokens, dtype=torch.int64, device=device),
+        positions=torch.tensor(positions, dtype=torch.int64, device=device),
+        attn_meta=meta,
+        sample_indices=sample_indices,
+        prompt_logprob_spans=spans,
+    )
+
+
+def placeholder_input(device: torch.device) -> ModelInput:
+    """One dummy token that writes no KV: the fixed-beat forward of an empty PROMPT step."""
+    meta = AttentionMetadata(
+        slot_mapping=torch.full((1,), -1, dtype=torch.int64, device=device),
+        block_tables=torch.zeros((1, 1), dtype=torch.int32, device=device),
+        query_start_loc=torch.tensor([0, 1], dtype=torch.int32, device=device),
+        seq_lens=torch.ones(1, dtype=torch.int32, device=device),
+        query_lens_cpu=[1],
+        seq_lens_cpu=[1],
+        is_decode_only=True,
+    )
+    zeros = torch.zeros(1, dtype=torch.int64, device=device)
+    return ModelInput(zeros, zeros.clone(), meta, [], [])

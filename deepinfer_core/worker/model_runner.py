@@ -1,0 +1,164 @@
+"""Runs one step on the device: prepare inputs, forward, logits, sample.
+
+The engine calls `launch()` (forward and sampling queued), runs its pre-sampler hooks,
+then `StepHandle.result()` waits for the sampled tokens (SPEC §2's sample_end_event).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+from torch import nn
+
+from deepinfer_core.config import EngineConfig
+from deepinfer_core.sampling.logprobs import gather_logprobs
+from deepinfer_core.sampling.sampler import Sampler, SamplerOutput, SamplingRow
+from deepinfer_core.scheduler.outputs import SchedulerOutputs
+from deepinfer_core.worker.cache_engine import CacheEngine
+from deepinfer_core.worker.input_batch import ModelInput, build_model_input, placeholder_input
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class StepResult:
+    """Sampled tokens of one step, per scheduled sequence (empty lists: no sample this step)."""
+
+    token_ids: list[list[int]]
+    logprobs: list[list[float]]
+    top_logprobs: list[list[Optional[dict[int, float]]]]
+    prompt_logprobs: dict[int, list[Optional[dict[int, float]]]] = field(default_factory=dict)
+    """batch index -> prompt-logprob entries for the positions this step covered."""
+
+
+class StepHandle:
+    """A launched step; `result()` is the sample-end synchronisation point."""
+
+    def __init__(self, finish):
+        self._finish = finish
+        self._result: Optional[StepResult] = None
+
+    def result(self) -> StepResult:
+        if self._result is None:
+            self._result = self._finish()
+        return self._result
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, model: nn.Module, device: torch.device):
+        self.config = config
+        self.model = model
+        self.device = device
+        self.block_size = config.cache.block_size
+        self.sampler = Sampler()
+        self.cache: Optional[CacheEngine] = None
+        self.use_cuda_graph = (
+            not config.enforce_eager and config.role.cuda_graphs_allowed and device.type == "cuda"
+        )
+        self.graphs = None  # decode CUDA graphs, captured after the cache exists
+
+    # ---- step -------------------------------------------------------------------------
+    @torch.inference_mode()
+    def launch(self, out: SchedulerOutputs, rows: list[list[SamplingRow]]) -> StepHandle:
+        """Queue the forward and the sampling of a step. `rows[i]`: sampling rows of seq i."""
+        assert self.cache is not None, "KV cache not initialised"
+        if out.clone_blocks:
+            self.cache.copy_blocks(out.clone_blocks)
+        if out.clone_states:
+            self.cache.copy_state_slots(out.clone_states)
+        if out.is_empty:
+            if out.prompt_run:
+                self._forward(placeholder_input(self.device))  # fixed beat; result discarded
+            return StepHandle(lambda: StepResult([], [], []))
+        inp = build_model_input(out.scheduled_seqs, out.num_new_tokens, self.block_size, self.device)
+        hidden = self._forward(inp)
+        return StepHandle(lambda: self._sample(out, inp, hidden, rows))
+
+    def _forward(self, inp: ModelInput) -> torch.Tensor:
+        if self.graphs is not None and inp.attn_meta.is_decode_only and self.graphs.can_run(inp):
+            return self.graphs.run(inp)
+        return self.model(inp.input_ids, inp.positions, self.cache.kv_caches, inp.attn_meta)
+
+    @torch.inference_mode()
+    def _sample(self, out: SchedulerOutputs, inp: ModelInput, hidden: torch.Tensor, rows) -> StepResult:
+        n = len(out.scheduled_seqs)
+        result = StepResult([[] for _ in range(n)], [[] for _ in range(n)], [[] for _ in range(n)])
+        sampling = [i for i in range(n) if rows[i]]
+        if sampling:
+            assert len(sampling) == len(inp.sample_indices), "sampling rows disagree with the step"
+            logits = self.model.compute_logits(hidden[inp.sample_indices])  # [S, V]
+            repeat = torch.tensor([len(rows[i]) for i in sampling], device=logits.device)
+            logits = logits.repeat_interleave(repeat, dim=0)  # n > 1: one row per sample
+            flat = [r for i in sampling for r in rows[i]]
+            self._scatter(result, sampling, rows, self.sampler(logits, flat))
+        for b, row0, count, _ in inp.prompt_logprob_spans:
+            result.prompt_logprobs[b] = self._prompt_logprobs(out, b, hidden[row0 : row0 + count])
+        return result
+
+    @staticmethod
+    def _scatter(result: StepResult, sampling: list[int], rows, sampled: SamplerOutput) -> None:
+        k = 0
+        for i in sampling:
+            for _ in rows[i]:
+                result.token_ids[i].append(sampled.token_ids[k])
+                if sampled.logprobs is not None:
+                    result.logprobs[i].append(sampled.logprobs[k])
+                    result.top_logprobs[i].append(sampled.top_logprobs[k] if sampled.top_logprobs else None)
+                k += 1
+
+    def _prompt_logprobs(self, out: SchedulerOutputs, b: int, hidden: torch.Tensor):
+        seq = out.scheduled_seqs[b]
+        start = seq.num_cached_tokens
+        targets = torch.tensor(
+            seq.token_slice(start + 1, start + 1 + hidden.shape[0]), dtype=torch.long, device=hidden.device
+        )
+        logits = self.model.compute_logits(hidden)  # [L, V]
+        _, entries = gather_logprobs(logits, targets, [seq.params.prompt_logprobs] * hidden.shape[0])
+        return entries
+
+    # ---- memory profile -----------------------------------------------------------------
+    def profile_shapes(self) -> list[tuple[int, int]]:
+        """(new tokens, context length) per dummy sequence of the peak-memory forward.
+
+        PROMPT/NORMAL: prefill shapes filling the token budget with sequences up to
+        max_model_len. COMPLETION: decode shapes, max_num_seqs sequences of 1 + nextn tokens.
+        """
+        sched = self.config.scheduler
+        if not self.config.role.profile_with_prefill_shapes:
+            k = sched.num_decode_tokens_per_seq
+            return [(k, k)] * sched.max_num_seqs
+        budget, shapes = sched.max_num_batched_tokens, []
+        while budget > 0 and len(shapes) < sched.max_num_seqs:
+            n = min(budget, sched.max_model_len)
+            shapes.append((n, n))
+            budget -= n
+        return shapes
+
+    @torch.inference_mode()
+    def profile_run(self) -> None:
+        """One forward + logits at the role's peak shapes, over a scratch KV cache."""
+        shapes = self.profile_shapes()
+        blocks_per_seq = [(ctx + self.block_size - 1) // self.block_size for _, ctx in shapes]
+        scratch = CacheEngine(
+            self.model.num_kv_cache_layers,
+            self.model.kv_cache_block_shape(self.block_size),
+            sum(blocks_per_seq),
+            self.config.model.dtype,
+            self.device,
+        )
+        from deepinfer_core.sampling_params import SamplingParams
+        from deepinfer_core.sequence import Sequence
+
+        seqs, first = [], 0
+        for i, ((n, _), nb) in enumerate(zip(shapes, blocks_per_seq)):
+            seq = Sequence(i, f"profile-{i}", [0] * n, SamplingParams(max_tokens=1))
+            seq.block_table = list(range(first, first + nb))
+            first += nb
+            seqs.append(seq)
+        inp = build_model_input(seqs, [n for n, _ in shapes], self.block_size, self.device)
+        hidden = self.model(inp.input_ids, inp.positions, scratch.kv_caches, inp.attn_meta)
+        self.model.compute_logits(hidden[inp.sample_indices])
+        del scratch

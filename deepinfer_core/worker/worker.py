@@ -1,0 +1,77 @@
+"""One device's worker: loads the model, sizes and allocates the KV cache, runs steps."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from deepinfer_core.config import EngineConfig
+from deepinfer_core.worker.cache_engine import CacheEngine
+from deepinfer_core.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+
+class Worker:
+    def __init__(self, config: EngineConfig):
+        from deepinfer_core.models.loader import load_model
+
+        self.config = config
+        self.device = torch.device(config.device)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        self.model = load_model(config.model, self.device)
+        self.runner = ModelRunner(config, self.model, self.device)
+
+    @property
+    def block_shape(self) -> tuple[int, ...]:
+        return self.model.kv_cache_block_shape(self.config.cache.block_size)
+
+    @property
+    def bytes_per_block(self) -> int:
+        return CacheEngine.bytes_per_block(self.model.num_kv_cache_layers, self.block_shape, self.config.model.dtype)
+
+    def determine_num_blocks(self) -> int:
+        """Fixed by config, else what fits after the role-shaped peak forward (device) or the CPU budget."""
+        cache = self.config.cache
+        if cache.num_gpu_blocks is not None:
+            return cache.num_gpu_blocks
+        if self.device.type != "cuda":
+            return max(1, cache.cpu_kv_cache_bytes // self.bytes_per_block)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self.runner.profile_run()
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        free, total = torch.cuda.mem_get_info(self.device)
+        used_by_others = total - free - torch.cuda.memory_reserved(self.device)
+        available = total * cache.gpu_memory_utilization - peak - used_by_others
+        num = int(available // self.bytes_per_block)
+        if num < 1:
+            raise ValueError(
+                f"no device memory left for the KV cache (peak forward {peak / 2**30:.2f} GiB of "
+                f"{total / 2**30:.2f} GiB); lower max_num_batched_tokens or raise gpu_memory_utilization"
+            )
+        return num
+
+    def init_cache(self, num_blocks: int) -> CacheEngine:
+        cache = CacheEngine(
+            self.model.num_kv_cache_layers,
+            self.block_shape,
+            num_blocks,
+            self.config.model.dtype,
+            self.device,
+        )
+        self.runner.cache = cache
+        logger.info(
+            "KV cache: %d blocks x %d tokens (%.1f MiB)",
+            num_blocks,
+            self.config.cache.block_size,
+            num_blocks * self.bytes_per_block / 2**20,
+        )
+        if self.runner.use_cuda_graph:
+            from deepinfer_core.worker.cuda_graph import DecodeGraphs
+
+            self.runner.graphs = DecodeGraphs.capture(self.runner)
+        return cache

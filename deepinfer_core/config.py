@@ -60,9 +60,7 @@ class ModelConfig:
         if self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if limit is not None and self.max_model_len > limit and not self.hf_config.get("rope_scaling"):
-            raise ValueError(
-                f"max_model_len={self.max_model_len} exceeds the model's max_position_embeddings={limit}"
-            )
+            raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's max_position_embeddings={limit}")
 
     @property
     def architecture(self) -> str:
@@ -106,9 +104,7 @@ class ParallelConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not 0 <= self.data_parallel_rank < self.data_parallel_size:
-            raise ValueError(
-                f"data_parallel_rank={self.data_parallel_rank} outside [0, {self.data_parallel_size})"
-            )
+            raise ValueError(f"data_parallel_rank={self.data_parallel_rank} outside [0, {self.data_parallel_size})")
 
     @property
     def role(self) -> RoleProfile:

@@ -8,7 +8,8 @@ them. Nothing else in the code base reads `os.environ` for engine settings.
 from __future__ import annotations
 
 import os
-from typing import Callable
+from collections.abc import Callable
+
 
 def _bool(v: str) -> bool:
     return v.strip().lower() in ("1", "true", "yes", "on")

@@ -89,14 +89,46 @@ def _decode_batched(query, kv_cache, block_tables, seq_lens, scale, group):
     block_size = kv_cache.shape[2]
     max_len = max(seq_lens)
     n_blocks = (max_len + block_size - 1) // block_size
-    blocks = kv_cache[block_tables[:, :n_blocks].long()]  # [B, n, 2, bs, Hkv, D]
-    B = blocks.shape[0]
-    k = blocks[:, :, 0].reshape(B, n_blocks * block_size, *blocks.shape[4:])[:, :max_len]
-    v = blocks[:, :, 1].reshape(B, n_blocks * block_size, *blocks.shape[4:])[:, :max_len]
-    k = k.to(query.dtype).repeat_interleave(group, dim=2).transpose(1, 2)  # [B, Hq, S, D]
-    v = v.to(query.dtype).repeat_interleave(group, dim=2).transpose(1, 2)
     lens = torch.tensor(seq_lens, device=query.device)
-    mask = torch.arange(max_len, device=query.device)[None, :] < lens[:, None]  # [B, S]
-    q = query.unsqueeze(2)  # [B, Hq, 1, D]
+    return _grouped_decode(query, kv_cache, block_tables[:, :n_blocks], lens, scale, group, max_len)
+
+
+def _grouped_decode(query, kv_cache, block_tables, seq_lens, scale, group, max_len=None):
+    """Decode attention without expanding K/V per query head: the `group` query heads that
+    share a KV head are laid out as that head's query rows. query [B, Hq, D] -> [B, Hq, D]."""
+    B, W = block_tables.shape
+    block_size, num_kv_heads, head_dim = kv_cache.shape[2], kv_cache.shape[3], kv_cache.shape[4]
+    blocks = kv_cache[block_tables.long()]  # [B, W, 2, bs, Hkv, D]
+    S = W * block_size if max_len is None else max_len
+    k = blocks[:, :, 0].reshape(B, W * block_size, num_kv_heads, head_dim)[:, :S]
+    v = blocks[:, :, 1].reshape(B, W * block_size, num_kv_heads, head_dim)[:, :S]
+    k = k.to(query.dtype).transpose(1, 2)  # [B, Hkv, S, D]
+    v = v.to(query.dtype).transpose(1, 2)
+    q = query.view(B, num_kv_heads, group, head_dim)  # [B, Hkv, group, D]
+    mask = torch.arange(S, device=query.device)[None, :] < seq_lens[:, None]  # [B, S]
     o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None, None, :], scale=scale)
-    return o.squeeze(2)
+    return o.reshape(B, num_kv_heads * group, head_dim)
+
+
+def paged_decode_attention_static(
+    query: torch.Tensor,  # [B, Hq, D], one new token per sequence
+    kv_cache: torch.Tensor,  # [num_blocks, 2, block_size, Hkv, D]
+    block_tables: torch.Tensor,  # [B, W] int32, fixed width W
+    seq_lens: torch.Tensor,  # [B] int32
+    scale: float,
+) -> torch.Tensor:
+    """Decode attention with shapes fixed by (B, W) and no host synchronisation, so it can
+    be captured in a CUDA graph: every sequence gathers all W blocks and masks past its length."""
+    group = query.shape[1] // kv_cache.shape[3]
+    return _grouped_decode(query, kv_cache, block_tables, seq_lens, scale, group)
+
+
+def reshape_and_cache_static(
+    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """`reshape_and_cache` without the padding filter (no host sync); padding must target a scratch slot."""
+    block_size = kv_cache.shape[2]
+    blocks = torch.div(slot_mapping, block_size, rounding_mode="floor")
+    offsets = slot_mapping % block_size
+    kv_cache[blocks, 0, offsets] = key.to(kv_cache.dtype)
+    kv_cache[blocks, 1, offsets] = value.to(kv_cache.dtype)

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import itertools
-from typing import Optional, Sequence, Union
+from collections.abc import Sequence
+from typing import Optional, Union
 
 from deepinfer_core.engine.llm_engine import LLMEngine
 from deepinfer_core.engine_args import EngineArgs
@@ -36,7 +37,9 @@ class LLM:
         prompts = list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
-        params = [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) else list(sampling_params)
+        params = (
+            [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) else list(sampling_params)
+        )
         if len(params) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling params")
         ids = []
@@ -52,7 +55,9 @@ class LLM:
             raise
         return self._run(ids, use_tqdm)
 
-    def chat(self, messages: list[dict], sampling_params: Optional[SamplingParams] = None, **kwargs) -> list[RequestOutput]:
+    def chat(
+        self, messages: list[dict], sampling_params: Optional[SamplingParams] = None, **kwargs
+    ) -> list[RequestOutput]:
         """Apply the tokenizer's chat template to one conversation and generate."""
         text = self.engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **kwargs)
         ids = self.engine.tokenizer.encode(text, add_special_tokens=False)

@@ -49,7 +49,7 @@ class LLMEngine:
         self._init_cache(dp_group)
 
     @classmethod
-    def from_engine_args(cls, args: EngineArgs, **kwargs) -> "LLMEngine":
+    def from_engine_args(cls, args: EngineArgs, **kwargs) -> LLMEngine:
         return cls(args.create_engine_config(), **kwargs)
 
     def _load_tokenizer(self):
@@ -218,7 +218,9 @@ class LLMEngine:
                 continue
             state = self.requests.get(seq.request_id)
             fan_out = state is not None and seq.params.n > 1 and not state.forked
-            gens = state.generators if fan_out and state.generators else [seq.generator] * (seq.params.n if fan_out else 1)
+            gens = (
+                state.generators if fan_out and state.generators else [seq.generator] * (seq.params.n if fan_out else 1)
+            )
             rows.append(
                 [SamplingRow(seq.params, seq.prompt_token_ids, seq.output_token_ids, g, seq.eos_token_id) for g in gens]
             )

@@ -13,7 +13,8 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections import OrderedDict
-from typing import Optional, Sequence as Seq
+from collections.abc import Sequence as Seq
+from typing import Optional
 
 from deepinfer_core.sequence import Sequence
 

@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 class DPVote:
     def __init__(
         self,
-        group: "dist.ProcessGroup | None" = None,
+        group: dist.ProcessGroup | None = None,
         prefill_attempt_interval: int | None = None,
         prefill_any_attempt_interval: int | None = None,
     ):
@@ -45,7 +45,7 @@ class DPVote:
         self.num_votes += 1
         return int(t.item())
 
-    def schedule(self, sched: "Scheduler") -> SchedulerOutputs:
+    def schedule(self, sched: Scheduler) -> SchedulerOutputs:
         step = sched.decode_step
         is_any_point = step != 0 and step % self.any_interval == 0
         is_all_point = step % self.all_interval == 0

@@ -26,7 +26,9 @@ class CacheEngine:
         self.num_blocks = num_blocks
         self.dtype = dtype
         self.device = device
-        self.kv_buffer = torch.zeros((num_layers, num_blocks, *block_shape), dtype=dtype, device=device)
+        # One extra block past the pool: the write target of padded rows in captured decode graphs.
+        self.scratch_block = num_blocks
+        self.kv_buffer = torch.zeros((num_layers, num_blocks + 1, *block_shape), dtype=dtype, device=device)
         self.kv_caches: list[torch.Tensor] = list(self.kv_buffer.unbind(0))
         # Per-sequence state slots (sliding-window / recurrent state) and their copy area.
         self.states = self.copy_states = None

@@ -7,8 +7,8 @@ so code that forgets to synchronise is wrong on both devices, not only on GPUs.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Callable
 
 import torch
 
@@ -16,7 +16,7 @@ _host_queue = ThreadPoolExecutor(max_workers=1, thread_name_prefix="deepinfer-ho
 
 
 class DeviceEvent:
-    def __init__(self, cuda_event: "torch.cuda.Event | None" = None, future: "Future | None" = None):
+    def __init__(self, cuda_event: torch.cuda.Event | None = None, future: Future | None = None):
         self._cuda = cuda_event
         self._future = future
 

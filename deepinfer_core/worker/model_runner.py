@@ -55,9 +55,7 @@ class ModelRunner:
         self.block_size = config.cache.block_size
         self.sampler = Sampler()
         self.cache: Optional[CacheEngine] = None
-        self.use_cuda_graph = (
-            not config.enforce_eager and config.role.cuda_graphs_allowed and device.type == "cuda"
-        )
+        self.use_cuda_graph = not config.enforce_eager and config.role.cuda_graphs_allowed and device.type == "cuda"
         self.graphs = None  # decode CUDA graphs, captured after the cache exists
 
     # ---- step -------------------------------------------------------------------------

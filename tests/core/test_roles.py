@@ -52,7 +52,9 @@ def test_operator_env_wins_over_role_default(clean_env, monkeypatch):
 
 def test_profile_shapes_follow_the_role():
     for role in ROLES:
-        config = EngineArgs(engine_type=role, max_model_len=128, max_num_seqs=4, stop_preempted_request=True).create_engine_config()
+        config = EngineArgs(
+            engine_type=role, max_model_len=128, max_num_seqs=4, stop_preempted_request=True
+        ).create_engine_config()
         runner = ModelRunner(config, model=None, device=torch.device("cpu"))
         shapes = runner.profile_shapes()
         if role == EngineType.COMPLETION:
@@ -66,7 +68,9 @@ def test_profile_shapes_follow_the_role():
 def test_cuda_graphs_off_for_prompt_and_when_eager():
     for role in ROLES:
         for eager in (False, True):
-            config = EngineArgs(engine_type=role, enforce_eager=eager, stop_preempted_request=True).create_engine_config()
+            config = EngineArgs(
+                engine_type=role, enforce_eager=eager, stop_preempted_request=True
+            ).create_engine_config()
             runner = ModelRunner(config, model=None, device=torch.device("cuda"))
             assert runner.use_cuda_graph == (not eager and role != EngineType.PROMPT)
             assert not ModelRunner(config, model=None, device=torch.device("cpu")).use_cuda_graph

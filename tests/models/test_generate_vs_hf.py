@@ -37,9 +37,7 @@ def checkpoint(request, tmp_path_factory):
 
 def _hf_greedy(hf, prompt: list[int], n: int = MAX_NEW) -> list[int]:
     with torch.inference_mode():
-        out = hf.generate(
-            torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0
-        )
+        out = hf.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
     return out[0, len(prompt) :].tolist()
 
 
@@ -95,8 +93,15 @@ def _hf_prompt_logprobs(hf, prompt, dtype):
 def test_prompt_logprobs_match_transformers(checkpoint, dtype, atol):
     _, path, hf = checkpoint
     prompt = _prompts()[2]
-    llm = LLM(path, dtype=dtype, max_model_len=256, num_gpu_blocks=64, block_size=8,
-              chunked_prefill=True, max_num_batched_tokens=16)
+    llm = LLM(
+        path,
+        dtype=dtype,
+        max_model_len=256,
+        num_gpu_blocks=64,
+        block_size=8,
+        chunked_prefill=True,
+        max_num_batched_tokens=16,
+    )
     out = llm.generate([{"prompt_token_ids": prompt}], _greedy(prompt_logprobs=2))[0]
     ours = out.prompt_logprobs
     assert len(ours) == len(prompt) and ours[0] is None

@@ -12,7 +12,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from kernels.paged_attention import paged_attention_ref, reshape_and_cache
+from kernels.paged_attention import (
+    paged_attention_ref,
+    paged_decode_attention_static,
+    reshape_and_cache,
+    reshape_and_cache_static,
+)
 
 
 @dataclass
@@ -26,6 +31,7 @@ class AttentionMetadata:
     query_lens_cpu: list[int]  # host copy of per-sequence new-token counts
     seq_lens_cpu: list[int]  # host copy of seq_lens
     is_decode_only: bool  # every sequence feeds exactly one token
+    static_shapes: bool = False  # decode with fixed (B, W) shapes and no host sync (CUDA graphs)
 
     @property
     def num_seqs(self) -> int:
@@ -50,10 +56,11 @@ class Attention(nn.Module):
         kv_cache: torch.Tensor,  # [num_blocks, 2, block_size, Hkv, D]
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T, Hq, D]
+        if meta.static_shapes:
+            reshape_and_cache_static(k, v, kv_cache, meta.slot_mapping)
+            return paged_decode_attention_static(q, kv_cache, meta.block_tables, meta.seq_lens, self.scale)
         reshape_and_cache(k, v, kv_cache, meta.slot_mapping)
-        return paged_attention_ref(
-            q, kv_cache, meta.block_tables, meta.query_lens_cpu, meta.seq_lens_cpu, self.scale
-        )
+        return paged_attention_ref(q, kv_cache, meta.block_tables, meta.query_lens_cpu, meta.seq_lens_cpu, self.scale)
 
     def kv_cache_block_shape(self, block_size: int) -> tuple[int, ...]:
         """Shape of one block of this layer's cache."""

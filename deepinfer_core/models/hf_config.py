@@ -1,0 +1,55 @@
+"""Reads a checkpoint's config.json and fills the keys older or terser configs leave out.
+
+Model code then reads one spelling of each setting: `head_dim`, `num_key_value_heads`, and the
+RoPE settings as `rope_parameters` (plus `rope_theta` and a `rope_scaling` that is None unless
+the RoPE is scaled), whichever of the transformers-4 or -5 spellings the file used.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+from deepinfer_core.models.layers.rotary import rope_parameters
+
+
+def load_hf_config(path: str) -> dict[str, Any]:
+    """Parse `<path>/config.json` and normalise it.
+
+    Raises:
+        FileNotFoundError: the directory or its config.json is missing (the message names it).
+        ValueError: config.json is not a valid JSON object.
+    """
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"model directory {path!r} does not exist")
+    config_path = os.path.join(path, "config.json")
+    if not os.path.isfile(config_path):
+        raise FileNotFoundError(f"no config.json in model directory {path!r}")
+    try:
+        with open(config_path, encoding="utf-8") as f:
+            config = json.load(f)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{config_path} is not valid JSON: {e}") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{config_path} must hold a JSON object, got {type(config).__name__}")
+    return normalize_hf_config(config)
+
+
+def normalize_hf_config(config: dict[str, Any]) -> dict[str, Any]:
+    """A copy of `config` with defaults filled in; idempotent. Configs without attention heads
+    (e.g. a multimodal wrapper) are returned unchanged apart from the copy."""
+    config = dict(config)
+    heads = config.get("num_attention_heads")
+    if heads is None:
+        return config
+    if not config.get("head_dim"):
+        config["head_dim"] = config["hidden_size"] // heads
+    if not config.get("num_key_value_heads"):
+        config["num_key_value_heads"] = heads
+    if "max_position_embeddings" in config:
+        params = rope_parameters(config)
+        config["rope_parameters"] = params
+        config["rope_theta"] = params["rope_theta"]
+        config["rope_scaling"] = dict(params) if params["rope_type"] != "default" else None
+    return config

@@ -1,0 +1,184 @@
+"""Builds a model on its device in the configured dtype and fills its weights.
+
+Weights come from the checkpoint's safetensors files (one `model.safetensors`, or the shards a
+`model.safetensors.index.json` lists), read with `safe_open` one tensor at a time from
+memory-mapped files and copied straight into the parameters, so peak host memory stays near the
+model size rather than twice it. The built-in tiny model has no weight files: its weights are
+drawn from a seeded CPU generator, the same on every machine and every call.
+
+Every failure names its cause: a missing directory or weight file, a corrupt or truncated file,
+tensors the model needs but the checkpoint lacks, tensors the model does not use.
+
+Optional model attributes the loader honours:
+    `expected_weight_names()`: checkpoint names that must be loaded, for models whose parameter
+        names differ from checkpoint names (default: the parameter names);
+    `max_positions`: longest context the position encoding supports;
+    `sliding_window`: an active attention window, which this engine does not implement.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Iterator
+
+import torch
+from safetensors import SafetensorError, safe_open
+from torch import nn
+from tqdm import tqdm
+
+from deepinfer_core.config import ModelConfig
+from deepinfer_core.models.hf_config import normalize_hf_config
+from deepinfer_core.models.registry import get_model_class
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+# checkpoint tensors that are derived buffers, never parameters
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
+_PROGRESS_MIN_TENSORS = 64
+_MAX_LISTED = 10
+
+
+def load_model(model_config: ModelConfig, device: str | torch.device) -> nn.Module:
+    """The model of `model_config` on `device`, weights loaded, in eval mode.
+
+    Raises:
+        FileNotFoundError: the directory, its weights or an indexed shard is missing.
+        ValueError: unsupported architecture, corrupt weight file, missing or unexpected tensors,
+            or a `max_model_len` the model cannot serve.
+    """
+    hf_config = normalize_hf_config(model_config.hf_config)
+    model_cls = get_model_class(hf_config)
+    shards = None if model_config.builtin else read_tensor_names(weight_files(model_config.path))
+    with torch.device(device):
+        model = model_cls(hf_config, model_config.dtype)
+    check_context_limits(model, model_config)
+    if shards is None:
+        init_builtin_weights(model, model_config.seed, hf_config.get("initializer_range", 0.02))
+    else:
+        load_checkpoint(model, shards)
+    return model.eval()
+
+
+def weight_files(path: str) -> list[str]:
+    """The safetensors files holding a checkpoint's weights."""
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"model directory {path!r} does not exist")
+    index = os.path.join(path, INDEX_FILE)
+    if os.path.isfile(index):
+        return _files_from_index(index)
+    single = os.path.join(path, SINGLE_FILE)
+    if os.path.isfile(single):
+        return [single]
+    found = sorted(os.path.join(path, n) for n in os.listdir(path) if n.endswith(".safetensors"))
+    if not found:
+        raise FileNotFoundError(f"no safetensors weights ({SINGLE_FILE}, {INDEX_FILE} or *.safetensors) in {path!r}")
+    return found
+
+
+def _files_from_index(index: str) -> list[str]:
+    try:
+        with open(index, encoding="utf-8") as f:
+            weight_map = json.load(f)["weight_map"]
+        names = sorted(set(weight_map.values()))
+    except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
+        raise ValueError(f"{index} is not a valid safetensors index: {e!r}") from None
+    files = [os.path.join(os.path.dirname(index), n) for n in names]
+    missing = [f for f in files if not os.path.isfile(f)]
+    if missing:
+        raise FileNotFoundError(f"{index} lists shard files that do not exist: {missing}")
+    return files
+
+
+def read_tensor_names(files: list[str]) -> dict[str, list[str]]:
+    """file -> tensor names, read from each header; a corrupt or truncated file raises ValueError."""
+    shards = {}
+    for file in files:
+        try:
+            with safe_open(file, framework="pt") as f:
+                shards[file] = list(f.keys())
+        except (SafetensorError, OSError) as e:
+            raise ValueError(f"cannot read safetensors file {file} (corrupt or truncated?): {e}") from None
+    return shards
+
+
+def iter_tensors(shards: dict[str, list[str]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, CPU tensor) one at a time from memory-mapped files, with a progress bar on a tty."""
+    total = sum(len(names) for names in shards.values())
+    quiet = total < _PROGRESS_MIN_TENSORS or not sys.stderr.isatty()
+    with tqdm(total=total, desc="Loading weights", unit="tensor", disable=quiet) as bar:
+        for file, names in shards.items():
+            with safe_open(file, framework="pt") as f:
+                for name in names:
+                    try:
+                        tensor = f.get_tensor(name)
+                    except SafetensorError as e:
+                        raise ValueError(f"cannot read tensor {name!r} from {file}: {e}") from None
+                    yield name, tensor
+                    bar.update()
+
+
+def load_checkpoint(model: nn.Module, shards: dict[str, list[str]]) -> None:
+    """Stream every tensor into `model.load_weights`, then insist nothing is missing or left over."""
+    seen: list[str] = []
+
+    def tracked() -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in iter_tensors(shards):
+            seen.append(name)
+            yield name, tensor
+
+    consumed = model.load_weights(tracked())
+    check_loaded(model, seen, consumed)
+
+
+def _expected_names(model: nn.Module) -> set[str]:
+    expected = getattr(model, "expected_weight_names", None)
+    return set(expected()) if expected else {name for name, _ in model.named_parameters()}
+
+
+def _listing(names: list[str]) -> str:
+    more = f" ... and {len(names) - _MAX_LISTED} more" if len(names) > _MAX_LISTED else ""
+    return ", ".join(names[:_MAX_LISTED]) + more
+
+
+def check_loaded(model: nn.Module, seen: list[str], consumed: set[str]) -> None:
+    """ValueError listing tensors the model needs but did not get, or got but does not use."""
+    missing = sorted(_expected_names(model) - consumed)
+    if missing:
+        raise ValueError(f"checkpoint lacks {len(missing)} tensor(s) the model needs: {_listing(missing)}")
+    unexpected = sorted(n for n in set(seen) - consumed if not n.endswith(IGNORED_SUFFIXES))
+    if unexpected:
+        raise ValueError(f"checkpoint has {len(unexpected)} tensor(s) the model does not use: {_listing(unexpected)}")
+
+
+def init_builtin_weights(model: nn.Module, seed: int, std: float) -> None:
+    """Deterministic weights: normal(0, std) matrices and embeddings, ones for norms, zero biases.
+
+    Drawn in fp32 from a CPU generator in parameter order, then cast and copied to the
+    parameter's device, so every machine and every call gets the same values for a seed.
+    """
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("bias"):
+                param.zero_()
+            elif param.dim() == 1:
+                param.fill_(1.0)
+            else:
+                param.copy_(torch.empty(param.shape, device="cpu").normal_(0.0, std, generator=gen))
+
+
+def check_context_limits(model: nn.Module, model_config: ModelConfig) -> None:
+    """ValueError when `max_model_len` is beyond what the model's attention can serve."""
+    max_len = model_config.max_model_len
+    limit = getattr(model, "max_positions", None)
+    if limit is not None and max_len > limit:
+        raise ValueError(f"max_model_len={max_len} exceeds the {limit} positions the model's RoPE supports")
+    window = getattr(model, "sliding_window", None)
+    if window is not None and window < max_len:
+        raise ValueError(
+            f"{model_config.architecture} config enables sliding-window attention (window {window}) "
+            f"shorter than max_model_len={max_len}; sliding windows are not supported, "
+            f"set max_model_len <= {window}"
+        )

@@ -289,9 +289,11 @@ class Scheduler:
         seq.state_id = -1
 
     def remove_seq(self, seq: Sequence) -> None:
-        """Drop a sequence without touching its blocks (a PE hands blocks to the transfer)."""
+        """Drop a sequence from every queue without touching its blocks (a PE's hand-off)."""
         if seq in self.running:
             self.running.remove(seq)
+        if seq in self._finished:
+            self._finished.remove(seq)
 
     def abort_seq(self, request_id: str) -> list[Sequence]:
         """End every sequence of a request. Queued ones free now; running ones next step."""

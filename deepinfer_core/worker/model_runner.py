@@ -57,6 +57,8 @@ class ModelRunner:
         self.cache: Optional[CacheEngine] = None
         self.use_cuda_graph = not config.enforce_eager and config.role.cuda_graphs_allowed and device.type == "cuda"
         self.graphs = None  # decode CUDA graphs, captured after the cache exists
+        self.forward_event: Optional[torch.cuda.Event] = None
+        """Recorded after the last launched forward (CUDA): KV of that step is written once it completes."""
 
     # ---- step -------------------------------------------------------------------------
     @torch.inference_mode()
@@ -73,7 +75,15 @@ class ModelRunner:
             return StepHandle(lambda: StepResult([], [], []))
         inp = build_model_input(out.scheduled_seqs, out.num_new_tokens, self.block_size, self.device)
         hidden = self._forward(inp)
+        if self.device.type == "cuda":
+            self.forward_event = torch.cuda.Event()
+            self.forward_event.record()
         return StepHandle(lambda: self._sample(out, inp, hidden, rows))
+
+    def wait_forward(self) -> None:
+        """Block until the last launched forward has written its KV (a no-op on CPU)."""
+        if self.forward_event is not None:
+            self.forward_event.synchronize()
 
     def _forward(self, inp: ModelInput) -> torch.Tensor:
         if self.graphs is not None and inp.attn_meta.is_decode_only and self.graphs.can_run(inp):

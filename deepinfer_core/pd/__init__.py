@@ -1,0 +1,1 @@
+"""Prefill/decode disaggregation: the PROMPT and COMPLETION engines and a two-process harness."""

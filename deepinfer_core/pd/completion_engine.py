@@ -1,0 +1,177 @@
+"""CompletionEngine (CE): reserves KV blocks for a request, receives its KV from a PE, decodes.
+
+Flow: `reserve()` builds the sequence with `add_request(enqueue=False)`, allocates blocks
+for prompt + 1 tokens and returns a `KVTarget`. The PE writes the KV and then notifies;
+`poll_handoffs()` reads those notices: the first token is appended, the sequence has
+`num_cached_tokens == len - 1` and enters `prompted` (SPEC §3) — pure decode from here.
+A reservation is a lease: if no notice arrives before its deadline the request ends with
+an error. Its blocks are not reused at once: a PE may still be writing into them, so they
+stay quarantined until that PE's notice arrives (the write is over) or a grace period
+(longer than any PE may write past the deadline) has passed. Rejection happens before
+enqueue, so nothing in the running scheduler is ever rolled back.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+from deepinfer_core.engine.llm_engine import LLMEngine
+from deepinfer_core.engine_type import EngineType
+from deepinfer_core.outputs import RequestOutput
+from deepinfer_core.sampling_params import SamplingParams
+from deepinfer_core.sequence import Sequence, SequenceStatus
+from deepinfer_core.transfer.layout import KVLayout
+from deepinfer_core.transfer.messages import HandoffNotice, KVTarget
+from deepinfer_core.transfer.nixl_agent import NixlKVAgent
+
+logger = logging.getLogger(__name__)
+
+
+class KVCapacityError(RuntimeError):
+    """The CE has too few free KV blocks for a reservation right now (retry elsewhere or later)."""
+
+
+@dataclass
+class Reservation:
+    seq: Sequence
+    deadline: float
+
+
+class CompletionEngine(LLMEngine):
+    def __init__(self, config, *args, state_copy_interval: int = 128, lease_grace_s: float = 35.0, **kwargs):
+        if config.engine_type != EngineType.COMPLETION:
+            raise ValueError(f"CompletionEngine needs engine_type=COMPLETION, got {config.engine_type.name}")
+        self.state_copy_interval = state_copy_interval
+        self.lease_grace_s = lease_grace_s
+        """How long blocks of an expired lease stay quarantined without a notice: a PE's
+        transfer timeout plus clock skew."""
+        super().__init__(config, *args, **kwargs)
+
+    def init_pd_split(self) -> None:
+        self.layout = KVLayout.of(self.config.model.hf_config, self.cache.kv_buffer, self.config.cache.block_size)
+        self.agent = NixlKVAgent(self.name, self.cache.kv_buffer, self.layout)
+        self.reservations: dict[str, Reservation] = {}
+        self.quarantine: dict[str, Reservation] = {}  # expired leases whose blocks may still be written
+        self.num_handoffs = 0
+        self.num_lease_expiries = 0
+
+    # ---- reservations ----------------------------------------------------------------------
+    def reserve(
+        self,
+        request_id: str,
+        params: Optional[SamplingParams] = None,
+        prompt_token_ids: Optional[list[int]] = None,
+        prompt: Optional[str] = None,
+        lease_s: float = 30.0,
+    ) -> KVTarget:
+        """Reserve blocks for prompt + 1 tokens; the returned target tells a PE where to write."""
+        params = params or SamplingParams()
+        if params.n != 1:
+            raise ValueError("a decode engine takes one sample per request (n=1); fan out n before prefill")
+        seq = self.add_request(request_id, prompt, params, prompt_token_ids, enqueue=False)
+        bm = self.scheduler.block_manager
+        needed = bm.blocks_needed(len(seq) + 1)
+        if needed > bm.num_free_blocks or not self.scheduler.state_slots.can_allocate():
+            self.requests.pop(request_id, None)
+            raise KVCapacityError(
+                f"decode engine {self.name} has {bm.num_free_blocks} free KV blocks; request {request_id!r} needs {needed}"
+            )
+        seq.block_table = [bm.allocate_block() for _ in range(needed)]
+        self.reservations[request_id] = Reservation(seq, time.monotonic() + lease_s)
+        expires_at = time.time() + lease_s
+        return KVTarget(
+            request_id=request_id,
+            engine_id=self.agent.name,
+            agent_metadata=self.agent.metadata,
+            base_addr=self.agent.base_addr,
+            num_blocks_total=self.agent.num_blocks_total,
+            device_id=self.agent.device_id,
+            mem_type=self.agent.mem_type,
+            block_ids=list(seq.block_table),
+            fingerprint=self.layout.fingerprint,
+            num_prompt_tokens=len(seq),
+            expires_at=expires_at,
+            layout=self.layout.describe(),
+        )
+
+    def poll_handoffs(self) -> list[RequestOutput]:
+        """Apply hand-off notices and expire leases; call between steps."""
+        outputs = []
+        for _, message in self.agent.get_notifs():
+            try:
+                notice = HandoffNotice.from_bytes(message)
+            except ValueError as e:
+                logger.warning("dropping a malformed hand-off notice: %s", e)
+                continue
+            out = self._on_notice(notice)
+            if out is not None:
+                outputs.append(out)
+        now = time.monotonic()
+        for rid in [r for r, res in self.reservations.items() if res.deadline < now]:
+            self.num_lease_expiries += 1
+            outputs.append(
+                self._fail(rid, "the KV cache did not arrive before the reservation lease expired", hold=True)
+            )
+        for rid in [r for r, res in self.quarantine.items() if res.deadline < now]:
+            self.scheduler.free_seq(self.quarantine.pop(rid).seq)
+        return outputs
+
+    def _on_notice(self, notice: HandoffNotice) -> Optional[RequestOutput]:
+        late = self.quarantine.pop(notice.request_id, None)
+        if late is not None:  # the PE is done with the blocks of an expired lease
+            self.scheduler.free_seq(late.seq)
+            return None
+        reservation = self.reservations.pop(notice.request_id, None)
+        if reservation is None:
+            return None  # aborted
+        if not notice.ok:
+            self.reservations[notice.request_id] = reservation
+            return self._fail(notice.request_id, f"prefill failed: {notice.error}")
+        seq = reservation.seq
+        if notice.num_computed_tokens != len(seq):
+            self.reservations[notice.request_id] = reservation
+            return self._fail(notice.request_id, f"received KV for {notice.num_computed_tokens} of {len(seq)} tokens")
+        seq.num_cached_tokens = notice.num_computed_tokens
+        self.scheduler.commit_computed(seq)
+        state = self.requests[notice.request_id]
+        self._append_token(state, seq, notice.first_token, notice.first_logprob, notice.first_top_logprobs)
+        self.num_handoffs += 1
+        if seq.is_finished:  # the first token already ended it (EOS, max_tokens=1, stop)
+            self.scheduler.remove_seq(seq)
+            self.scheduler.free_seq(seq)
+        else:
+            self.scheduler.add_prompted(seq)
+        out = state.to_output()
+        if out.finished:
+            self.requests.pop(notice.request_id, None)
+        return out
+
+    def _fail(self, request_id: str, error: str, hold: bool = False) -> RequestOutput:
+        """End a reserved request with an error; `hold` quarantines its blocks instead of freeing them."""
+        reservation = self.reservations.pop(request_id)
+        seq = reservation.seq
+        if hold:
+            self.quarantine[request_id] = Reservation(seq, time.monotonic() + self.lease_grace_s)
+        else:
+            self.scheduler.free_seq(seq)
+        seq.status, seq.error = SequenceStatus.FINISHED_IGNORED, error
+        state = self.requests.pop(request_id)
+        return state.to_output()
+
+    def abort_request(self, request_id: str) -> None:
+        reservation = self.reservations.pop(request_id, None)
+        if reservation is not None:  # a PE may be writing: quarantine like an expired lease
+            self.quarantine[request_id] = Reservation(reservation.seq, time.monotonic() + self.lease_grace_s)
+        super().abort_request(request_id)
+
+    # ---- hooks -------------------------------------------------------------------------------
+    def should_copy_state(self, seq: Sequence) -> bool:
+        """Copy a sequence's state each time it crosses a `state_copy_interval` token boundary."""
+        return seq.num_cached_tokens - seq.last_copy_state_token_idx >= self.state_copy_interval
+
+    def do_save_kvcache(self, scheduled: list[Sequence], finished: list[Sequence]) -> None:
+        """Where finished blocks go to the KV store; no store is configured, so nothing to save."""
+        return None

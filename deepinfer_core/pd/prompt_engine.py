@@ -1,0 +1,208 @@
+"""PromptEngine (PE): prefills, samples the first token, writes the KV into a CE's blocks.
+
+Hook bodies (SPEC §2, §4):
+- post_schedule: record which sequences complete their prompt this step (to hand off);
+- pe_prepare_save_kvcache: once the forward has written the KV, post the NIXL WRITEs
+  (all layers of a request in one transfer) and return without waiting — sampling
+  still runs;
+- pe_do_save_kvcache: wait for each write (or its error / timeout) and record it;
+- send_processed_prompts: notify each CE (first token, computed length), drop the
+  sequence from the scheduler, and only then free the PE's blocks.
+A PE never calls finalize_seq: its blocks are in flight until the hand-off completes.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+from deepinfer_core.engine.llm_engine import LLMEngine
+from deepinfer_core.engine_type import EngineType
+from deepinfer_core.sampling_params import SamplingParams
+from deepinfer_core.scheduler.outputs import SchedulerOutputs
+from deepinfer_core.sequence import Sequence
+from deepinfer_core.transfer.layout import KVLayout
+from deepinfer_core.transfer.messages import HandoffNotice, KVTarget
+from deepinfer_core.transfer.nixl_agent import NixlKVAgent, Transfer, TransferError
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class HandoffResult:
+    """How one request's hand-off ended, for the caller of the PE (router, harness)."""
+
+    request_id: str
+    ok: bool
+    first_token: int = -1
+    num_computed_tokens: int = 0
+    num_bytes: int = 0
+    seconds: float = 0.0
+    """Posting to completion of the KV write."""
+    error: Optional[str] = None
+
+
+@dataclass
+class _Pending:
+    seq: Sequence
+    target: KVTarget
+    transfer: Optional[Transfer] = None
+    error: Optional[str] = None
+    seconds: float = 0.0
+
+
+class PromptEngine(LLMEngine):
+    def __init__(self, config, *args, transfer_timeout_s: float = 30.0, **kwargs):
+        if config.engine_type != EngineType.PROMPT:
+            raise ValueError(f"PromptEngine needs engine_type=PROMPT, got {config.engine_type.name}")
+        self.transfer_timeout_s = transfer_timeout_s
+        super().__init__(config, *args, **kwargs)
+
+    def init_pd_split(self) -> None:
+        self.layout = KVLayout.of(self.config.model.hf_config, self.cache.kv_buffer, self.config.cache.block_size)
+        self.agent = NixlKVAgent(self.name, self.cache.kv_buffer, self.layout)
+        self.targets: dict[str, KVTarget] = {}
+        self._handoff: list[Sequence] = []
+        self._inflight: list[_Pending] = []
+        self._done: list[_Pending] = []
+        self.handoff_results: list[HandoffResult] = []
+
+    # ---- admission ---------------------------------------------------------------------
+    def connect_peer(self, name: str, metadata: bytes) -> None:
+        """Connect to a CE ahead of its first hand-off (at registration, not on a request's path)."""
+        self.agent.add_peer(name, metadata)
+
+    def add_prefill(
+        self,
+        request_id: str,
+        target: KVTarget,
+        params: Optional[SamplingParams] = None,
+        prompt_token_ids: Optional[list[int]] = None,
+        prompt: Optional[str] = None,
+    ) -> Sequence:
+        """Admit a request whose KV goes to `target` (a CE's reservation)."""
+        params = params or SamplingParams()
+        if target.fingerprint != self.layout.fingerprint:
+            raise ValueError(
+                f"KV layout mismatch for request {request_id!r}: the decode engine has "
+                f"[{target.layout or target.fingerprint}], this prefill engine has [{self.layout.describe()}]"
+            )
+        if params.n != 1:
+            raise ValueError("a prefill engine takes one sample per request (n=1); fan out n before prefill")
+        if target.expires_at and time.time() > target.expires_at:
+            raise ValueError(f"the KV reservation for {request_id!r} has expired")
+        first = params.clone()
+        first.max_tokens, first.min_tokens = 1, min(params.min_tokens, 1)
+        seq = self.add_request(request_id, prompt, first, prompt_token_ids)
+        needed = self.scheduler.block_manager.blocks_needed(len(seq))
+        if len(target.block_ids) < needed or target.num_prompt_tokens != len(seq):
+            self.abort_request(request_id)
+            raise ValueError(
+                f"KV target for {request_id!r} reserves {len(target.block_ids)} blocks for "
+                f"{target.num_prompt_tokens} tokens; the prompt has {len(seq)} tokens ({needed} blocks)"
+            )
+        self.agent.add_peer(target.engine_id, target.agent_metadata)
+        self.targets[request_id] = target
+        return seq
+
+    def abort_request(self, request_id: str) -> None:
+        """Between steps no write is in flight: tell the CE its reserved blocks are free again."""
+        super().abort_request(request_id)
+        target = self.targets.pop(request_id, None)
+        if target is not None:
+            notice = HandoffNotice(request_id=request_id, ok=False, error="aborted")
+            try:
+                self.agent.send_notif(target.engine_id, notice.to_bytes())
+            except Exception as e:  # the CE's lease and grace period release the blocks anyway
+                logger.warning("could not notify %s of the abort of %s: %s", target.engine_id, request_id, e)
+
+    # ---- hooks ----------------------------------------------------------------------------
+    def post_schedule(self, out: SchedulerOutputs) -> None:
+        self._handoff = [s for i, s in enumerate(out.scheduled_seqs) if out.samples(i)]
+
+    def pe_prepare_save_kvcache(self, scheduled: list[Sequence], finished: list[Sequence]) -> None:
+        if not self._handoff:
+            return
+        self.worker.runner.wait_forward()  # the WRITE reads KV the forward has just produced
+        bm = self.scheduler.block_manager
+        for seq in self._handoff:
+            target = self.targets[seq.request_id]
+            pending = _Pending(seq, target)
+            blocks = seq.block_table[: bm.blocks_needed(len(seq))]
+            if target.expires_at and time.time() > target.expires_at:
+                pending.error = "the KV reservation expired before the prefill finished"
+                self._inflight.append(pending)
+                continue
+            try:
+                pending.transfer = self.agent.write_blocks(
+                    target.engine_id,
+                    blocks,
+                    target.base_addr,
+                    target.num_blocks_total,
+                    target.block_ids,
+                    target.device_id,
+                    target.mem_type,
+                )
+            except Exception as e:  # a dead peer can fail at post time
+                pending.error = str(e)
+            self._inflight.append(pending)
+        self._handoff = []
+
+    def pe_do_save_kvcache(self, scheduled: list[Sequence], finished: list[Sequence]) -> None:
+        for pending in self._inflight:
+            if pending.transfer is not None:
+                try:
+                    self.agent.wait(pending.transfer, self.transfer_timeout_s)
+                except TransferError as e:
+                    pending.error = str(e)
+                pending.seconds = time.monotonic() - pending.transfer.started
+            self._done.append(pending)
+        self._inflight = []
+
+    def send_processed_prompts(self) -> None:
+        for pending in self._done:
+            self._hand_off(pending)
+        self._done = []
+
+    def _hand_off(self, pending: _Pending) -> None:
+        seq, target = pending.seq, pending.target
+        ok = pending.error is None
+        notice = HandoffNotice(
+            request_id=seq.request_id,
+            ok=ok,
+            first_token=seq.output_token_ids[0] if ok else -1,
+            num_computed_tokens=seq.num_prompt_tokens if ok else 0,
+            first_logprob=seq.output_logprobs[0] if ok and seq.output_logprobs else None,
+            first_top_logprobs=seq.output_top_logprobs[0] if ok and seq.output_top_logprobs else None,
+            error=pending.error,
+        )
+        try:
+            self.agent.send_notif(target.engine_id, notice.to_bytes())
+        except Exception as e:
+            if ok:
+                ok, pending.error = False, f"notifying the decode engine failed: {e}"
+        self.scheduler.remove_seq(seq)
+        self.scheduler.free_seq(seq)  # ownership has moved to the CE (or the request failed)
+        self.targets.pop(seq.request_id, None)
+        self.requests.pop(seq.request_id, None)
+        num_bytes = pending.transfer.num_bytes if pending.transfer is not None else 0
+        self.handoff_results.append(
+            HandoffResult(
+                seq.request_id,
+                ok,
+                notice.first_token,
+                notice.num_computed_tokens,
+                num_bytes,
+                pending.seconds,
+                pending.error,
+            )
+        )
+
+    def pop_handoff_results(self) -> list[HandoffResult]:
+        results, self.handoff_results = self.handoff_results, []
+        return results
+
+    def has_unfinished_requests(self) -> bool:
+        return super().has_unfinished_requests() or bool(self._inflight or self._done)

@@ -1,0 +1,131 @@
+"""Failed hand-offs leak nothing and end with a clear error: a CE killed mid-transfer,
+a refused layout fingerprint, an expired reservation lease."""
+
+import dataclasses
+import time
+
+import pytest
+
+from deepinfer_core.pd.harness import RemoteError
+from deepinfer_core.pd.prompt_engine import PromptEngine
+from tests.helpers.pd import ENGINE_ARGS, greedy, local_pe, reserve, run_pe, start_ce, wait_ce, wait_free_blocks
+
+N = ENGINE_ARGS["num_gpu_blocks"]
+
+
+class KillsPeerMidTransfer(PromptEngine):
+    """Kills the CE process right after the KV write has been posted, before it is waited for."""
+
+    victim = None
+
+    def pe_prepare_save_kvcache(self, scheduled, finished):
+        super().pe_prepare_save_kvcache(scheduled, finished)
+        if self._inflight and self.victim is not None:
+            self.victim.kill()
+
+
+def test_ce_killed_mid_transfer_frees_pe_blocks_and_reports_the_error():
+    ce = start_ce()
+    pe = local_pe(KillsPeerMidTransfer, transfer_timeout_s=5.0)
+    free0 = pe.scheduler.block_manager.num_free_blocks
+    prompt = list(range(1, 120))
+    target = reserve(ce, "doomed", prompt, greedy(8))
+    pe.victim = ce
+    pe.add_prefill("doomed", target, greedy(8), prompt)
+    started = time.monotonic()
+    results = run_pe(pe)
+    assert time.monotonic() - started < 60
+    (r,) = results
+    assert not r.ok and r.error and "doomed" not in pe.requests
+    assert not ce.alive
+    assert pe.scheduler.block_manager.num_free_blocks == free0
+    assert not pe.has_unfinished_requests()
+    # the PE keeps serving: a new CE, a new hand-off
+    ce2 = start_ce()
+    try:
+        pe.victim = None
+        target = reserve(ce2, "next", [5, 6, 7], greedy(3))
+        pe.add_prefill("next", target, greedy(3), [5, 6, 7])
+        assert all(x.ok for x in run_pe(pe))
+        assert len(wait_ce(ce2, ["next"])["next"].outputs[0].token_ids) == 3
+    finally:
+        ce2.close()
+
+
+@pytest.fixture(scope="module")
+def ce():
+    proc = start_ce(lease_grace_s=1.5)
+    yield proc
+    proc.close()
+
+
+def test_refused_fingerprint_allocates_nothing_and_the_lease_frees_the_ce(ce):
+    pe = local_pe()
+    free0 = pe.scheduler.block_manager.num_free_blocks
+    prompt = list(range(1, 40))
+    target = reserve(ce, "foreign", prompt, greedy(4), lease_s=1.0)
+    forged = dataclasses.replace(target, fingerprint="0" * 20, layout="SomeOtherModel bfloat16")
+    with pytest.raises(ValueError, match="KV layout mismatch.*SomeOtherModel"):
+        pe.add_prefill("foreign", forged, greedy(4), prompt)
+    assert pe.scheduler.block_manager.num_free_blocks == free0 and not pe.requests
+    out = wait_ce(ce, ["foreign"], timeout_s=30)["foreign"]
+    assert out.outputs[0].finish_reason == "error" and "lease expired" in out.outputs[0].error
+    assert wait_free_blocks(ce, N) == N
+    assert ce.call("stats")["lease_expiries"] >= 1
+
+
+def test_an_expired_reservation_is_refused_by_the_pe(ce):
+    prompt = list(range(1, 20))
+    target = reserve(ce, "slow", prompt, greedy(4), lease_s=0.3)
+    out = wait_ce(ce, ["slow"], timeout_s=30)["slow"]
+    assert "lease expired" in out.outputs[0].error
+    pe = local_pe()
+    with pytest.raises(ValueError, match="expired"):
+        pe.add_prefill("slow", target, greedy(4), prompt)
+    assert ce.call("stats")["reservations"] == 0
+    assert wait_free_blocks(ce, N) == N  # quarantined blocks come back after the grace period
+
+
+def test_lease_expiring_during_prefill_never_writes_and_releases_the_quarantine(ce):
+    prompt = list(range(1, 30))
+    pe = local_pe()
+    target = reserve(ce, "late", prompt, greedy(4), lease_s=1.0)
+    pe.add_prefill("late", target, greedy(4), prompt)
+    time.sleep(1.2)  # the prefill is slower than the lease
+    (r,) = run_pe(pe)
+    assert not r.ok and "expired" in r.error
+    out = wait_ce(ce, ["late"], timeout_s=30)["late"]
+    assert out.outputs[0].finish_reason == "error"
+    assert wait_free_blocks(ce, N, timeout_s=0.9) == N  # the PE's notice ends the quarantine early
+
+
+def test_abort_on_the_pe_releases_the_ce_reservation(ce):
+    pe = local_pe()
+    target = reserve(ce, "gone", [1, 2, 3, 4], greedy(4))
+    pe.add_prefill("gone", target, greedy(4), [1, 2, 3, 4])
+    ce.call("abort", "gone")
+    pe.abort_request("gone")
+    assert not pe.has_unfinished_requests()
+    assert wait_free_blocks(ce, N, timeout_s=0.9) == N
+
+
+def test_reservation_over_capacity_is_refused_clearly(ce):
+    prompt = list(range(1, 250))  # 32 blocks of 8 for prompt + 1
+    fits = N // 32
+    for i in range(fits):
+        reserve(ce, f"fill-{i}", prompt, greedy(4))
+    with pytest.raises(RemoteError, match="KVCapacityError.*free KV blocks"):
+        reserve(ce, "one-too-many", prompt, greedy(4))
+    for i in range(fits):
+        ce.call("abort", f"fill-{i}")
+    assert wait_free_blocks(ce, N) == N and ce.call("stats")["requests"] == 0
+
+
+def test_bad_target_size_is_refused(ce):
+    pe = local_pe()
+    target = reserve(ce, "short", [1, 2, 3], greedy(2))
+    with pytest.raises(ValueError, match="reserves"):
+        pe.add_prefill("short", target, greedy(2), list(range(1, 60)))
+    assert not pe.requests
+    ce.call("abort", "short")
+    assert wait_free_blocks(ce, N) == N

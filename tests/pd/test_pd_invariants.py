@@ -1,0 +1,110 @@
+"""SPEC §5 invariants 2, 5 and 7 with a real PE (this process) writing into a real CE process."""
+
+import pytest
+
+from deepinfer_core.pd.prompt_engine import PromptEngine
+from tests.helpers.pd import ENGINE_ARGS, greedy, local_pe, reserve, run_pe, start_ce, wait_ce, wait_free_blocks
+
+
+class Watched(PromptEngine):
+    """Records step kinds, finalize calls, and whether handed-off blocks stay owned while in flight."""
+
+    def __init__(self, *a, **kw):
+        self.steps, self.finalized, self.inflight_blocks_owned = [], [], []
+        super().__init__(*a, **kw)
+
+    def finalize_seq(self, seq):
+        self.finalized.append(seq)
+        super().finalize_seq(seq)
+
+    def pe_prepare_save_kvcache(self, scheduled, finished):
+        super().pe_prepare_save_kvcache(scheduled, finished)
+        self._check_owned()
+
+    def pe_do_save_kvcache(self, scheduled, finished):
+        self._check_owned()  # before the wait: the write may still be reading these blocks
+        super().pe_do_save_kvcache(scheduled, finished)
+
+    def _check_owned(self):
+        bm = self.scheduler.block_manager
+        for pending in self._inflight:
+            blocks = pending.seq.block_table
+            owned = bool(blocks) and all(bm.ref_counts[b] > 0 for b in blocks)
+            free = set(bm._free) | set(bm._evictable)
+            self.inflight_blocks_owned.append(owned and not (set(blocks) & free))
+
+    def step(self):
+        out = self.scheduler.schedule
+        recorded = []
+
+        def schedule():
+            o = out()
+            recorded.append((o.prompt_run, len(o.scheduled_seqs)))
+            return o
+
+        self.scheduler.schedule = schedule
+        try:
+            return super().step()
+        finally:
+            self.scheduler.schedule = out
+            self.steps += recorded
+
+
+class FreesEarly(Watched):
+    """The bug invariant 5 forbids: release the PE's blocks as soon as the write is posted."""
+
+    def pe_prepare_save_kvcache(self, scheduled, finished):
+        PromptEngine.pe_prepare_save_kvcache(self, scheduled, finished)
+        bm = self.scheduler.block_manager
+        for pending in self._inflight:
+            for block in pending.seq.block_table:  # returned to the pool while the write runs
+                bm.release_block(block)
+        self._check_owned()
+        for pending in self._inflight:  # re-take them so the rest of the step stays consistent
+            for block in pending.seq.block_table:
+                bm._free.remove(block) if block in bm._free else bm._evictable.pop(block)
+                bm.ref_counts[block] = 1
+
+
+@pytest.fixture(scope="module")
+def ce():
+    proc = start_ce()
+    yield proc
+    proc.close()
+
+
+def _handoff(pe, ce, prompts, max_tokens=6):
+    ids = []
+    for i, p in enumerate(prompts):
+        rid = f"inv-{id(pe)}-{i}"
+        target = reserve(ce, rid, p, greedy(max_tokens))
+        pe.add_prefill(rid, target, greedy(max_tokens), p)
+        ids.append(rid)
+    results = run_pe(pe)
+    return ids, results
+
+
+def test_invariants_2_5_7_under_real_transfers(ce):
+    pe = local_pe(Watched, chunked_prefill=True, max_num_batched_tokens=24)
+    free0 = pe.scheduler.block_manager.num_free_blocks
+    prompts = [list(range(1, 40)), [7, 8, 9], list(range(100, 117))]
+    ids, results = _handoff(pe, ce, prompts)
+    assert all(r.ok for r in results) and len(results) == 3
+    done = wait_ce(ce, ids)
+    assert all(len(done[i].outputs[0].token_ids) == 6 for i in ids)
+    # 2: every non-empty PROMPT step is a prefill step
+    assert all(prompt_run for prompt_run, n in pe.steps if n > 0)
+    # 5: never finalize_seq; blocks stay owned while the write is in flight, freed after hand-off
+    assert pe.finalized == []
+    assert pe.inflight_blocks_owned and all(pe.inflight_blocks_owned)
+    assert pe.scheduler.block_manager.num_free_blocks == free0
+    # 7: an idle PE step is an empty prefill step, never a fall to decode
+    out = pe.scheduler.schedule()
+    assert out.prompt_run and out.is_empty
+    assert wait_free_blocks(ce, ENGINE_ARGS["num_gpu_blocks"]) == ENGINE_ARGS["num_gpu_blocks"]
+
+
+def test_the_ownership_check_catches_early_freeing(ce):
+    pe = local_pe(FreesEarly)
+    _handoff(pe, ce, [list(range(1, 30))])
+    assert not all(pe.inflight_blocks_owned)

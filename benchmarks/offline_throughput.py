@@ -72,6 +72,8 @@ def run_ours(path: str, prompts: list[list[int]], new: int, device: str, dtype: 
         max_model_len=2048,
         enable_prefix_caching=False,
         num_gpu_blocks=4096 if device == "cpu" else None,
+        gpu_memory_utilization=0.5,
+        max_num_seqs=max(len(prompts), 1),
     )
     params = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)
     llm.generate([{"prompt_token_ids": prompts[0]}], SamplingParams(temperature=0, max_tokens=2))  # warm up

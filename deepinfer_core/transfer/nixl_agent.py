@@ -92,6 +92,7 @@ class NixlKVAgent:
             raise TransferError(f"{len(local_blocks)} blocks to send but only {len(remote_blocks)} reserved")
         if peer not in self._peers:
             raise TransferError(f"unknown peer {peer!r}: add_peer() first")
+        started = time.monotonic()  # posting may move data inline (shared-memory transports)
         runs = _coalesce(local_blocks, remote_blocks[: len(local_blocks)])
         bb, L = self.layout.block_bytes, self.layout.num_layers
         local = np.empty((L * len(runs), 3), dtype=np.uint64)
@@ -109,7 +110,7 @@ class NixlKVAgent:
         if state == "ERR":
             self._agent.release_xfer_handle(handle)
             raise TransferError(f"posting the KV write to {peer} failed")
-        return Transfer(handle, peer, int(local[:, 1].sum()), time.monotonic())
+        return Transfer(handle, peer, int(local[:, 1].sum()), started)
 
     def poll(self, transfer: Transfer) -> str:
         """'DONE', 'PROC' or 'ERR' (a peer that went away reads as 'ERR', its reason in `transfer.error`)."""

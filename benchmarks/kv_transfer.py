@@ -1,0 +1,151 @@
+"""KV hand-off through the transfer plane: bandwidth per hand-off against a local copy of the
+same bytes, and the hand-off's share of time-to-first-token — measured side by side in one run.
+
+The PE runs in this process, the CE in another (as deployed: transfers always cross processes).
+
+    python benchmarks/kv_transfer.py                          # CPU: DRAM -> DRAM over UCX loopback
+    python benchmarks/kv_transfer.py --pe-device cuda:0 --ce-device cuda:1   # two GPUs, VRAM -> VRAM
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import statistics
+import tempfile
+import time
+
+import torch
+import transformers
+
+from deepinfer_core.builtin import TINY_MODEL_DIR
+from deepinfer_core.engine.llm_engine import LLMEngine
+from deepinfer_core.engine_args import EngineArgs
+from deepinfer_core.engine_type import EngineType
+from deepinfer_core.pd.harness import EngineProcess
+from deepinfer_core.pd.prompt_engine import PromptEngine
+from deepinfer_core.sampling_params import SamplingParams
+from deepinfer_core.transfer.messages import KVTarget
+
+# Many KV bytes per token, little compute: 16 layers x 8 KV heads x 128 dims.
+MODEL = dict(
+    hidden_size=512,
+    intermediate_size=1024,
+    num_hidden_layers=16,
+    num_attention_heads=8,
+    num_key_value_heads=8,
+    head_dim=128,
+    vocab_size=1024,
+    max_position_embeddings=32768,
+    tie_word_embeddings=False,
+)
+
+
+def build_checkpoint(path: str) -> None:
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(**MODEL)).save_pretrained(path, safe_serialization=True)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(f"{TINY_MODEL_DIR}/{name}", f"{path}/{name}")
+
+
+def copy_reference(num_bytes: int, src_device: str, dst_device: str, reps: int = 5) -> float:
+    """Seconds for a plain copy of the same bytes (memcpy on CPU, peer-to-peer on GPUs)."""
+    src = torch.empty(num_bytes, dtype=torch.uint8, device=src_device)
+    dst = torch.empty(num_bytes, dtype=torch.uint8, device=dst_device)
+    times = []
+    for _ in range(reps + 1):
+        _sync(src_device, dst_device)
+        t = time.perf_counter()
+        dst.copy_(src)
+        _sync(src_device, dst_device)
+        times.append(time.perf_counter() - t)
+    return statistics.median(times[1:])
+
+
+def _sync(*devices: str) -> None:
+    for d in devices:
+        if d.startswith("cuda"):
+            torch.cuda.synchronize(d)
+
+
+def handoff(pe: PromptEngine, ce: EngineProcess, rid: str, prompt: list[int]) -> tuple[float, object]:
+    """One request through reserve -> prefill -> KV write -> notice; returns (seconds, HandoffResult)."""
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    t = time.perf_counter()
+    target = KVTarget.from_bytes(ce.call("reserve", rid, params, prompt, 600.0))
+    pe.add_prefill(rid, target, params, prompt)
+    results = []
+    while not results:
+        pe.step()
+        results = pe.pop_handoff_results()
+    elapsed = time.perf_counter() - t
+    assert results[0].ok, results[0].error
+    return elapsed, results[0]
+
+
+def normal_ttft(engine: LLMEngine, rid: str, prompt: list[int]) -> float:
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    t = time.perf_counter()
+    engine.add_request(rid, params=params, prompt_token_ids=prompt)
+    while not any(o.outputs[0].token_ids for o in engine.step()):
+        pass
+    elapsed = time.perf_counter() - t
+    while engine.has_unfinished_requests():
+        engine.step()
+    return elapsed
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--pe-device", default="cpu")
+    ap.add_argument("--ce-device", default="cpu")
+    ap.add_argument("--lengths", type=int, nargs="+", default=[256, 1024, 4096])
+    ap.add_argument("--block-sizes", type=int, nargs="+", default=[16, 64])
+    ap.add_argument("--reps", type=int, default=3)
+    args = ap.parse_args()
+    dtype = "bfloat16" if args.pe_device.startswith("cuda") else "float32"
+    max_len = max(args.lengths) + 16
+    path = tempfile.mkdtemp()
+    build_checkpoint(path)
+    print(f"PE {args.pe_device} -> CE {args.ce_device}, {dtype}, model layers=16 kv_heads=8 head_dim=128")
+    print(
+        f"{'block':>5} {'tokens':>6} {'MiB':>7} {'xfer ms':>8} {'GB/s':>7} {'copy GB/s':>9} {'ratio':>6} "
+        f"{'TTFT NORMAL ms':>14} {'TTFT P/D ms':>11} {'hand-off %':>10}"
+    )
+    for block_size in args.block_sizes:
+        common = dict(model=path, dtype=dtype, max_model_len=max_len, block_size=block_size,
+                      max_num_batched_tokens=max_len, enable_prefix_caching=False)
+        blocks = 2 * (max_len // block_size + 2)
+        ce = EngineProcess(EngineType.COMPLETION, {**common, "device": args.ce_device, "num_gpu_blocks": blocks,
+                                                   "stop_preempted_request": True})
+        pe = PromptEngine.from_engine_args(
+            EngineArgs(engine_type=EngineType.PROMPT, device=args.pe_device, num_gpu_blocks=blocks, **common)
+        )
+        normal = LLMEngine.from_engine_args(EngineArgs(device=args.pe_device, num_gpu_blocks=blocks, **common))
+        pe.connect_peer(ce.info["agent_name"], ce.info["agent_metadata"])
+        handoff(pe, ce, "warmup", list(range(1, 64)))
+        normal_ttft(normal, "warmup", list(range(1, 64)))
+        for n in args.lengths:
+            prompt = torch.randint(0, 1000, (n,), generator=torch.Generator().manual_seed(n)).tolist()
+            pd_t, xfer_t, nbytes, normal_t = [], [], 0, []
+            for r in range(args.reps):
+                seconds, result = handoff(pe, ce, f"b{block_size}-{n}-{r}", prompt)
+                pd_t.append(seconds)
+                xfer_t.append(result.seconds)
+                nbytes = result.num_bytes
+                normal_t.append(normal_ttft(normal, f"n{block_size}-{n}-{r}", prompt))
+            xfer = statistics.median(xfer_t)
+            copy = copy_reference(nbytes, args.pe_device, args.ce_device)
+            pd, nt = statistics.median(pd_t), statistics.median(normal_t)
+            print(
+                f"{block_size:>5} {n:>6} {nbytes / 2**20:>7.1f} {xfer * 1e3:>8.2f} {nbytes / xfer / 1e9:>7.2f} "
+                f"{nbytes / copy / 1e9:>9.2f} {copy / xfer:>6.2f} {nt * 1e3:>14.1f} {pd * 1e3:>11.1f} "
+                f"{100 * xfer / pd:>9.1f}%"
+            )
+        ce.close()
+        del pe, normal
+    shutil.rmtree(path, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

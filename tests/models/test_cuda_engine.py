@@ -1,0 +1,82 @@
+"""The engine on a GPU (skipped without one): CUDA graphs on and off agree with each other
+and with transformers; graphs are really replayed for decode; PROMPT engines capture none."""
+
+import shutil
+
+import pytest
+import torch
+
+from deepinfer_core import LLM, SamplingParams
+from deepinfer_core.builtin import TINY_MODEL_DIR
+from deepinfer_core.engine_type import EngineType
+from tests.helpers.hf_models import save_hf_checkpoint
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    path = tmp_path_factory.mktemp("qwen3")
+    hf = save_hf_checkpoint("qwen3", path, seed=3)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(f"{TINY_MODEL_DIR}/{name}", path / name)
+    hf.generation_config.eos_token_id = None
+    return str(path), hf
+
+
+def _prompts():
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(3, 250, (n,), generator=g).tolist() for n in (3, 17, 40, 9, 64, 100)]
+
+
+def _hf(hf, prompt, n):
+    with torch.inference_mode():
+        out = hf.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt) :].tolist()
+
+
+def test_fp32_graphs_and_eager_equal_transformers(checkpoint):
+    path, hf = checkpoint
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    want = [_hf(hf, p, 12) for p in _prompts()]
+    results = {}
+    for eager in (True, False):
+        llm = LLM(path, device="cuda", dtype="float32", max_model_len=256, enforce_eager=eager, max_num_seqs=32, num_gpu_blocks=512)
+        runner = llm.engine.worker.runner
+        assert (runner.graphs is None) == eager
+        replays = 0
+        if runner.graphs is not None:
+            orig = runner.graphs.run
+
+            def counted(inp, orig=orig):
+                nonlocal replays
+                replays += 1
+                return orig(inp)
+
+            runner.graphs.run = counted
+        outs = llm.generate([{"prompt_token_ids": p} for p in _prompts()], params)
+        results[eager] = [o.outputs[0].token_ids for o in outs]
+        if not eager:
+            assert replays >= 11  # every decode step of the batch ran a captured graph
+    assert results[True] == want
+    assert results[False] == want
+
+
+def test_bf16_on_gpu_stays_close_to_transformers(checkpoint):
+    path, hf = checkpoint
+    prompt = _prompts()[4]
+    llm = LLM(path, device="cuda", dtype="bfloat16", max_model_len=256, num_gpu_blocks=512)
+    out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0))
+    got = [out[0].prompt_logprobs[i][prompt[i]] for i in range(1, len(prompt))]
+    with torch.inference_mode():
+        logits = hf.to("cuda", torch.bfloat16)(torch.tensor([prompt], device="cuda")).logits[0].float()
+    hf.to("cpu", torch.float32)
+    lp = torch.log_softmax(logits, -1)
+    want = [lp[i - 1, prompt[i]].item() for i in range(1, len(prompt))]
+    assert max(abs(a - b) for a, b in zip(got, want)) < 0.1
+
+
+def test_prompt_engine_captures_no_graphs(checkpoint):
+    path, _ = checkpoint
+    llm = LLM(path, device="cuda", dtype="float32", max_model_len=256, engine_type=EngineType.PROMPT, num_gpu_blocks=512)
+    assert llm.engine.worker.runner.graphs is None and not llm.engine.worker.runner.use_cuda_graph

@@ -20,6 +20,8 @@ class Worker:
         self.config = config
         self.device = torch.device(config.device)
         if self.device.type == "cuda":
+            if self.device.index is None:  # 'cuda' means the current device; pin it so every tensor agrees
+                self.device = torch.device("cuda", torch.cuda.current_device())
             torch.cuda.set_device(self.device)
         self.model = load_model(config.model, self.device)
         self.runner = ModelRunner(config, self.model, self.device)

@@ -2,6 +2,8 @@
 same bytes, and the hand-off's share of time-to-first-token — measured side by side in one run.
 
 The PE runs in this process, the CE in another (as deployed: transfers always cross processes).
+"plane": one WRITE posted and waited back to back; "hand-off": posting to DONE inside a real
+prefill step (sampling and output processing run in between, so it includes their time).
 
     python benchmarks/kv_transfer.py                          # CPU: DRAM -> DRAM over UCX loopback
     python benchmarks/kv_transfer.py --pe-device cuda:0 --ce-device cuda:1   # two GPUs, VRAM -> VRAM
@@ -83,6 +85,29 @@ def handoff(pe: PromptEngine, ce: EngineProcess, rid: str, prompt: list[int]) ->
     return elapsed, results[0]
 
 
+def raw_write(pe: PromptEngine, ce: EngineProcess, rid: str, num_tokens: int) -> tuple[float, int]:
+    """The plane alone: one WRITE of num_tokens' blocks into a CE reservation, posted and waited
+    back to back (no forward, no sampling in between). Returns (seconds, bytes)."""
+    params = SamplingParams(temperature=0, max_tokens=1)
+    target = KVTarget.from_bytes(ce.call("reserve", rid, params, [1] * num_tokens, 600.0))
+    nblocks = pe.scheduler.block_manager.blocks_needed(num_tokens)
+    local = list(range(nblocks))  # any PE blocks: only the bytes moved matter here
+    t = time.perf_counter()
+    transfer = pe.agent.write_blocks(
+        target.engine_id,
+        local,
+        target.base_addr,
+        target.num_blocks_total,
+        target.block_ids,
+        target.device_id,
+        target.mem_type,
+    )
+    pe.agent.wait(transfer, 60.0)
+    elapsed = time.perf_counter() - t
+    ce.call("abort", rid)
+    return elapsed, transfer.num_bytes
+
+
 def normal_ttft(engine: LLMEngine, rid: str, prompt: list[int]) -> float:
     params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
     t = time.perf_counter()
@@ -109,15 +134,23 @@ def main() -> None:
     build_checkpoint(path)
     print(f"PE {args.pe_device} -> CE {args.ce_device}, {dtype}, model layers=16 kv_heads=8 head_dim=128")
     print(
-        f"{'block':>5} {'tokens':>6} {'MiB':>7} {'xfer ms':>8} {'GB/s':>7} {'copy GB/s':>9} {'ratio':>6} "
-        f"{'TTFT NORMAL ms':>14} {'TTFT P/D ms':>11} {'hand-off %':>10}"
+        f"{'block':>5} {'tokens':>6} {'MiB':>7} {'plane GB/s':>10} {'copy GB/s':>9} {'ratio':>6} "
+        f"{'hand-off ms':>11} {'TTFT NORMAL ms':>14} {'TTFT P/D ms':>11} {'hand-off %':>10}"
     )
     for block_size in args.block_sizes:
-        common = dict(model=path, dtype=dtype, max_model_len=max_len, block_size=block_size,
-                      max_num_batched_tokens=max_len, enable_prefix_caching=False)
+        common = dict(
+            model=path,
+            dtype=dtype,
+            max_model_len=max_len,
+            block_size=block_size,
+            max_num_batched_tokens=max_len,
+            enable_prefix_caching=False,
+        )
         blocks = 2 * (max_len // block_size + 2)
-        ce = EngineProcess(EngineType.COMPLETION, {**common, "device": args.ce_device, "num_gpu_blocks": blocks,
-                                                   "stop_preempted_request": True})
+        ce = EngineProcess(
+            EngineType.COMPLETION,
+            {**common, "device": args.ce_device, "num_gpu_blocks": blocks, "stop_preempted_request": True},
+        )
         pe = PromptEngine.from_engine_args(
             EngineArgs(engine_type=EngineType.PROMPT, device=args.pe_device, num_gpu_blocks=blocks, **common)
         )
@@ -135,12 +168,13 @@ def main() -> None:
                 nbytes = result.num_bytes
                 normal_t.append(normal_ttft(normal, f"n{block_size}-{n}-{r}", prompt))
             xfer = statistics.median(xfer_t)
+            plane = statistics.median(raw_write(pe, ce, f"raw{block_size}-{n}-{r}", n)[0] for r in range(args.reps))
             copy = copy_reference(nbytes, args.pe_device, args.ce_device)
             pd, nt = statistics.median(pd_t), statistics.median(normal_t)
             print(
-                f"{block_size:>5} {n:>6} {nbytes / 2**20:>7.1f} {xfer * 1e3:>8.2f} {nbytes / xfer / 1e9:>7.2f} "
-                f"{nbytes / copy / 1e9:>9.2f} {copy / xfer:>6.2f} {nt * 1e3:>14.1f} {pd * 1e3:>11.1f} "
-                f"{100 * xfer / pd:>9.1f}%"
+                f"{block_size:>5} {n:>6} {nbytes / 2**20:>7.1f} {nbytes / plane / 1e9:>10.2f} "
+                f"{nbytes / copy / 1e9:>9.2f} {copy / plane:>6.2f} {xfer * 1e3:>11.2f} {nt * 1e3:>14.1f} "
+                f"{pd * 1e3:>11.1f} {100 * xfer / pd:>9.1f}%"
             )
         ce.close()
         del pe, normal

@@ -27,7 +27,7 @@ from deepinfer_core.engine_type import EngineType
 from deepinfer_core.pd.harness import EngineProcess
 from deepinfer_core.pd.prompt_engine import PromptEngine
 from deepinfer_core.sampling_params import SamplingParams
-from deepinfer_core.transfer.messages import KVTarget
+from deepinfer_core.transfer.messages import HandoffNotice, KVTarget
 
 # Many KV bytes per token, little compute: 16 layers x 8 KV heads x 128 dims.
 MODEL = dict(
@@ -104,7 +104,8 @@ def raw_write(pe: PromptEngine, ce: EngineProcess, rid: str, num_tokens: int) ->
     )
     pe.agent.wait(transfer, 60.0)
     elapsed = time.perf_counter() - t
-    ce.call("abort", rid)
+    # end the reservation the way a failed hand-off does: the CE frees its blocks at once
+    pe.agent.send_notif(target.engine_id, HandoffNotice(request_id=rid, ok=False, error="benchmark").to_bytes())
     return elapsed, transfer.num_bytes
 
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from kernels import ops
+
 
 class CacheEngine:
     def __init__(
@@ -53,7 +55,7 @@ class CacheEngine:
             return
         src = torch.tensor([p[0] for p in pairs], device=self.device)
         dst = torch.tensor([p[1] for p in pairs], device=self.device)
-        self.kv_buffer[:, dst] = self.kv_buffer[:, src]
+        ops.copy_blocks(self.kv_buffer, src, dst)
 
     def copy_state_slots(self, pairs: list[tuple[int, int]]) -> None:
         if self.states is None or not pairs:

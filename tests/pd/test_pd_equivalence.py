@@ -66,7 +66,7 @@ def test_sixty_four_concurrent_handoffs_lose_nothing(pair):
     prompts = [
         torch.randint(0, 1000, (int(n),), generator=g).tolist() for n in torch.randint(1, 40, (64,), generator=g)
     ]
-    outs = pair.generate(prompts, greedy(4), timeout_s=600)
+    outs = pair.generate(prompts, greedy(4), timeout_s=600, lease_s=600)
     assert len(outs) == 64 and all(len(o.outputs[0].token_ids) == 4 for o in outs)
     assert all(o.outputs[0].finish_reason == "length" for o in outs)
     assert wait_free_blocks(pair.ce, ENGINE_ARGS["num_gpu_blocks"]) == ENGINE_ARGS["num_gpu_blocks"]

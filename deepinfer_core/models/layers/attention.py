@@ -1,8 +1,9 @@
 """The attention layer models call: writes new K/V into the paged cache, then attends.
 
 Models stay pure: they pass `AttentionMetadata` through `forward`; no module globals.
-The kernel backend is chosen here (torch reference on CPU; Triton kernels on CUDA
-once registered).
+The kernel backend is chosen here: the torch references on CPU, the Triton kernels of
+`kernels.ops` on CUDA (`kernels.registry` decides; `DEEPINFER_KERNEL_BACKEND=torch` forces
+the references). Both Triton paths are free of host syncs, so decode can be graph-captured.
 """
 
 from __future__ import annotations
@@ -12,12 +13,14 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from kernels import ops
 from kernels.paged_attention import (
     paged_attention_ref,
     paged_decode_attention_static,
     reshape_and_cache,
     reshape_and_cache_static,
 )
+from kernels.registry import use_triton
 
 
 @dataclass
@@ -56,11 +59,22 @@ class Attention(nn.Module):
         kv_cache: torch.Tensor,  # [num_blocks, 2, block_size, Hkv, D]
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T, Hq, D]
+        if use_triton(q):
+            return self._forward_triton(q, k, v, kv_cache, meta)
         if meta.static_shapes:
             reshape_and_cache_static(k, v, kv_cache, meta.slot_mapping)
             return paged_decode_attention_static(q, kv_cache, meta.block_tables, meta.seq_lens, self.scale)
         reshape_and_cache(k, v, kv_cache, meta.slot_mapping)
         return paged_attention_ref(q, kv_cache, meta.block_tables, meta.query_lens_cpu, meta.seq_lens_cpu, self.scale)
+
+    def _forward_triton(self, q, k, v, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
+        ops.reshape_and_cache(k, v, kv_cache, meta.slot_mapping)  # skips slot -1 on the device
+        if meta.static_shapes or meta.is_decode_only:
+            return ops.paged_decode_attention(q, kv_cache, meta.block_tables, meta.seq_lens, self.scale)
+        max_query_len = max(meta.query_lens_cpu)
+        return ops.paged_prefill_attention(
+            q, kv_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, max_query_len, self.scale
+        )
 
     def kv_cache_block_shape(self, block_size: int) -> tuple[int, ...]:
         """Shape of one block of this layer's cache."""

@@ -2,12 +2,16 @@
 
 The optional residual argument fuses the decoder's "add the residual, then normalise" into one
 call: the sum is the new residual stream. The add runs in the activation dtype, as HF's does.
+On CUDA the fused Triton kernel (`kernels.ops.rms_norm`) runs instead, with the same roundings.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from kernels import ops
+from kernels.registry import use_triton
 
 
 class RMSNorm(nn.Module):
@@ -27,6 +31,8 @@ class RMSNorm(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """norm(x); with `residual`: (norm(x + residual), x + residual)."""
+        if use_triton(x):
+            return ops.rms_norm(x, self.weight, self.eps, residual)
         if residual is None:
             return self._norm(x)
         summed = residual + x

@@ -20,6 +20,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from kernels import ops
+from kernels.registry import use_triton
+
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
 _DEFAULT_THETA = 10000.0
 
@@ -171,7 +174,11 @@ def rope_cos_sin_table(
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Neox-style rotation of x [T, H, D] by cos/sin [T, D/2] (rotate_half on the two halves)."""
+    """Neox-style rotation of x [T, H, D] by cos/sin [T, D/2] (rotate_half on the two halves).
+
+    On CUDA the Triton kernel (`kernels.ops.rotary`) runs instead, with the same roundings."""
+    if use_triton(x):
+        return ops.rotary(x, cos, sin)
     cos = cos.to(x.dtype)[:, None, :]  # [T, 1, D/2]
     sin = sin.to(x.dtype)[:, None, :]
     x1, x2 = x.chunk(2, dim=-1)  # [T, H, D/2] each

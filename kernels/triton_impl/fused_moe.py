@@ -1,0 +1,228 @@
+"""Fused MoE experts: two grouped GEMMs over the expert-sorted (token, choice) rows.
+
+`moe_align` lays the T*k rows out by expert in blocks of BLOCK_M (padding rows point past the
+end); every block belongs to one expert. GEMM 1 computes gate and up for a tile of the
+intermediate dimension in the same program and writes silu(gate) * up (the [T*k, 2I]
+gate/up product never reaches memory). GEMM 2 multiplies by the down projection, scales each
+row by its routing weight and writes it at its (token, choice) row; the k rows of a token are
+then summed. Blocks past the padded row count exit at once, so the grid depends only on
+(T, k, E): no host sync, CUDA-graph capturable.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.triton_impl.common import dot, ieee, small_tiles
+from kernels.triton_impl.moe_routing import moe_align
+
+
+@triton.jit
+def _tile_ids(pid, num_m, num_n, GROUP_M: tl.constexpr):
+    """Grouped launch order: GROUP_M row blocks share each weight tile while it is in L2."""
+    per_group = GROUP_M * num_n
+    first_m = (pid // per_group) * GROUP_M
+    size_m = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % size_m
+    pid_n = (pid % per_group) // size_m
+    return pid_m, pid_n
+
+
+@triton.jit
+def _gate_up_kernel(
+    x_ptr,
+    w_ptr,
+    act_ptr,
+    sorted_ptr,
+    expert_ptr,
+    npad_ptr,
+    num_rows,
+    num_m,
+    K,
+    N,
+    TOP_K: tl.constexpr,
+    stride_xt,
+    stride_we,
+    stride_wn,
+    stride_an,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    pid_m, pid_n = _tile_ids(tl.program_id(0), num_m, tl.cdiv(N, BLOCK_N), GROUP_M)
+    if pid_m * BLOCK_M >= tl.load(npad_ptr):
+        return
+    expert = tl.load(expert_ptr + pid_m).to(tl.int64)
+    rows = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    rmask = rows < num_rows
+    tokens = (rows // TOP_K).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + tokens[:, None] * stride_xt + offs_k[None, :]
+    wg_ptrs = w_ptr + expert * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
+    wu_ptrs = wg_ptrs + N * stride_wn
+    acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if EVEN_K:
+            x = tl.load(x_ptrs, mask=rmask[:, None], other=0.0)
+            wg = tl.load(wg_ptrs, mask=nmask[None, :], other=0.0)
+            wu = tl.load(wu_ptrs, mask=nmask[None, :], other=0.0)
+        else:
+            kmask = offs_k < K - k0
+            x = tl.load(x_ptrs, mask=rmask[:, None] & kmask[None, :], other=0.0)
+            wg = tl.load(wg_ptrs, mask=kmask[:, None] & nmask[None, :], other=0.0)
+            wu = tl.load(wu_ptrs, mask=kmask[:, None] & nmask[None, :], other=0.0)
+        acc_g = dot(x, wg, acc_g, IEEE)
+        acc_u = dot(x, wu, acc_u, IEEE)
+        x_ptrs += BLOCK_K
+        wg_ptrs += BLOCK_K
+        wu_ptrs += BLOCK_K
+    h = acc_g * tl.sigmoid(acc_g) * acc_u  # silu(gate) * up
+    a_ptrs = act_ptr + rows.to(tl.int64)[:, None] * stride_an + offs_n[None, :]
+    tl.store(a_ptrs, h.to(act_ptr.dtype.element_ty), mask=rmask[:, None] & nmask[None, :])
+
+
+@triton.jit
+def _down_kernel(
+    a_ptr,
+    w_ptr,
+    out_ptr,
+    topk_w_ptr,
+    sorted_ptr,
+    expert_ptr,
+    npad_ptr,
+    num_rows,
+    num_m,
+    K,
+    N,
+    stride_am,
+    stride_we,
+    stride_wn,
+    stride_om,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    pid_m, pid_n = _tile_ids(tl.program_id(0), num_m, tl.cdiv(N, BLOCK_N), GROUP_M)
+    if pid_m * BLOCK_M >= tl.load(npad_ptr):
+        return
+    expert = tl.load(expert_ptr + pid_m).to(tl.int64)
+    rows = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    rmask = rows < num_rows
+    rows64 = rows.to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + rows64[:, None] * stride_am + offs_k[None, :]
+    w_ptrs = w_ptr + expert * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(a_ptrs, mask=rmask[:, None], other=0.0)
+            w = tl.load(w_ptrs, mask=nmask[None, :], other=0.0)
+        else:
+            kmask = offs_k < K - k0
+            a = tl.load(a_ptrs, mask=rmask[:, None] & kmask[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=kmask[:, None] & nmask[None, :], other=0.0)
+        acc = dot(a, w, acc, IEEE)
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    acc = acc * tl.load(topk_w_ptr + rows64, mask=rmask, other=0.0)[:, None]
+    o_ptrs = out_ptr + rows64[:, None] * stride_om + offs_n[None, :]
+    tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=rmask[:, None] & nmask[None, :])
+
+
+def default_configs(num_rows: int, num_experts: int, dtype: torch.dtype = torch.bfloat16) -> tuple[dict, dict]:
+    """(gate/up config, down config) for a batch of `num_rows` = T*k rows; tiles measured on an
+    H200 (deploy/benchmarks.md); fp32 (numerics tests) gets small ones."""
+    if small_tiles():
+        c = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "GROUP_M": 1, "num_warps": 1, "num_stages": 1}
+        return c, c
+    if dtype == torch.float32:
+        m = 16 if num_rows <= 16 * num_experts else 64
+        c = {"BLOCK_M": m, "BLOCK_N": 64, "BLOCK_K": 32, "GROUP_M": 8, "num_warps": 4, "num_stages": 2}
+        return c, c
+    if num_rows <= 16 * num_experts:  # decode: a handful of rows per expert, bound by weight reads
+        up = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 1, "num_warps": 4, "num_stages": 4}
+        down = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 1, "num_warps": 4, "num_stages": 4}
+        return up, down
+    up = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 3}
+    down = {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 3}
+    return up, down
+
+
+PREFILL_CANDIDATES = [  # (gate/up, down) pairs
+    (
+        {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 3},
+        {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 3},
+    ),
+    (
+        {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 4},
+        {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 4},
+    ),
+    (
+        {"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 8, "num_warps": 8, "num_stages": 3},
+        {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "GROUP_M": 16, "num_warps": 8, "num_stages": 3},
+    ),
+    (
+        {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 4, "num_stages": 4},
+        {"BLOCK_M": 64, "BLOCK_N": 256, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 3},
+    ),
+]
+
+
+def _launch(kernel, cfg: dict, num_m: int, n: int, *args, **kwargs) -> None:
+    grid = (num_m * triton.cdiv(n, cfg["BLOCK_N"]),)
+    kernel[grid](
+        *args, **kwargs,
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"],
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )  # fmt: skip
+
+
+def fused_experts(
+    hidden: torch.Tensor,  # [T, H]
+    w13: torch.Tensor,  # [E, 2I, H]: gate rows then up rows
+    w2: torch.Tensor,  # [E, H, I]
+    topk_weights: torch.Tensor,  # [T, k] fp32
+    topk_ids: torch.Tensor,  # [T, k] int
+    *,
+    configs: tuple[dict, dict] | None = None,
+) -> torch.Tensor:  # [T, H]
+    T, H = hidden.shape
+    E, two_i, _ = w13.shape
+    inter = two_i // 2
+    k = topk_ids.shape[1]
+    rows = T * k
+    if T == 0:
+        return torch.empty_like(hidden)
+    assert hidden.stride(-1) == 1 and w13.stride(-1) == 1 and w2.stride(-1) == 1
+    up_cfg, down_cfg = configs or default_configs(rows, E, hidden.dtype)
+    if up_cfg["BLOCK_M"] != down_cfg["BLOCK_M"]:
+        raise ValueError("both GEMMs walk the same expert blocks: BLOCK_M must match")
+    sorted_ids, expert_ids, npad = moe_align(topk_ids, E, up_cfg["BLOCK_M"])
+    num_m = expert_ids.numel()
+    act = torch.empty((rows, inter), dtype=hidden.dtype, device=hidden.device)
+    _launch(
+        _gate_up_kernel, up_cfg, num_m, inter,
+        hidden, w13, act, sorted_ids, expert_ids, npad, rows, num_m, H, inter, k,
+        hidden.stride(0), w13.stride(0), w13.stride(1), act.stride(0), EVEN_K=H % up_cfg["BLOCK_K"] == 0, IEEE=ieee(hidden),
+    )  # fmt: skip
+    out = torch.empty((rows, H), dtype=hidden.dtype, device=hidden.device)
+    weights = topk_weights.reshape(-1).to(torch.float32)
+    _launch(
+        _down_kernel, down_cfg, num_m, H,
+        act, w2, out, weights, sorted_ids, expert_ids, npad, rows, num_m, inter, H,
+        act.stride(0), w2.stride(0), w2.stride(1), out.stride(0), EVEN_K=inter % down_cfg["BLOCK_K"] == 0, IEEE=ieee(hidden),
+    )  # fmt: skip
+    return out.view(T, k, H).sum(dim=1)

@@ -1,0 +1,76 @@
+"""On a GPU: the kernels against their references at GPU sizes (bf16), and the engine's
+numerics with the Triton kernels on: model logits through the paged cache against HF
+transformers (fp32), and greedy generation on CUDA (decode CUDA graphs, Triton attention)
+token for token equal to transformers. Skipped where no GPU exists (CI)."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+
+from deepinfer_core import LLM, SamplingParams  # noqa: E402
+from deepinfer_core.builtin import TINY_MODEL_DIR  # noqa: E402
+from deepinfer_core.models.loader import load_model  # noqa: E402
+from kernels import registry  # noqa: E402
+from kernels.bench_checks import run_checks  # noqa: E402
+from tests.helpers.hf_models import hf_logits, model_config_for, save_hf_checkpoint  # noqa: E402
+from tests.helpers.paged import PagedRunner  # noqa: E402
+
+ATOL = 1e-4  # fp32 logits; the kernels' fp32 dots run in full fp32
+
+
+def test_every_kernel_matches_its_reference_on_gpu() -> None:
+    results = run_checks(torch.device("cuda"), seed=7, small=False)
+    failed = [r for r in results if not r.ok]
+    assert results and not failed, failed
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3"])
+def checkpoint(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp(request.param)
+    hf = save_hf_checkpoint(request.param, path, seed=5, rope_scaling=None)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(f"{TINY_MODEL_DIR}/{name}", path / name)
+    hf.generation_config.eos_token_id = None
+    return hf, path
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    return torch.randint(3, 250, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def test_paged_logits_with_kernels_match_hf(checkpoint) -> None:
+    hf, path = checkpoint
+    assert registry.use_triton(torch.zeros(1, device="cuda"))
+    model = load_model(model_config_for(path), "cuda")
+    runner = PagedRunner(model, block_size=4, num_blocks=128)
+    cached, fresh = _prompt(21, 1), _prompt(13, 2)
+    runner.step([("c", cached[:9])])  # a cached prefix for the next, mixed step
+    out_rest, out_fresh = runner.step([("c", cached[9:]), ("f", fresh)])
+    torch.testing.assert_close(out_rest.cpu(), hf_logits(hf, cached)[9:], atol=ATOL, rtol=0)
+    torch.testing.assert_close(out_fresh.cpu(), hf_logits(hf, fresh), atol=ATOL, rtol=0)
+    seqs = {"c": cached, "f": fresh}
+    last = {"c": out_rest[-1], "f": out_fresh[-1]}
+    for _ in range(4):  # decode-only steps: the split-KV decode kernel
+        batch = [(s, [int(last[s].argmax())]) for s in seqs]
+        for (s, tok), logits in zip(batch, runner.step(batch), strict=True):
+            seqs[s] = seqs[s] + tok
+            last[s] = logits[0]
+            torch.testing.assert_close(logits[0].cpu(), hf_logits(hf, seqs[s])[-1], atol=ATOL, rtol=0)
+
+
+def test_greedy_generation_on_cuda_with_graphs_matches_hf(checkpoint) -> None:
+    hf, path = checkpoint
+    prompts = [_prompt(n, 10 + n) for n in (3, 17, 40, 9)]
+    llm = LLM(str(path), device="cuda:0", dtype="float32", max_model_len=256, num_gpu_blocks=128, block_size=16)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    for p, o in zip(prompts, outs, strict=True):
+        with torch.inference_mode():
+            want = hf.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False, pad_token_id=0)
+        assert o.outputs[0].token_ids == want[0, len(p) :].tolist()

@@ -1,7 +1,7 @@
 PYTHON ?= python3
 PIP := $(PYTHON) -m pip
 
-.PHONY: install test lint format bench
+.PHONY: install test lint format bench proto
 
 # A machine without torch gets the CPU build of torch 2.13 (a plain `torch` would pull a
 # multi-GB CUDA build); a machine that has torch (e.g. a GPU node) keeps its own.
@@ -19,6 +19,11 @@ lint:
 format:
 	$(PYTHON) -m ruff format deepinfer_core kernels services tests benchmarks
 	$(PYTHON) -m ruff check --fix deepinfer_core kernels services tests benchmarks
+
+# Regenerate the gRPC/protobuf modules in proto/ (tests/services/test_proto.py checks they are current).
+proto:
+	$(PYTHON) -m grpc_tools.protoc -I . --python_out=. --grpc_python_out=. --pyi_out=. proto/*.proto
+	rm -f proto/common_pb2_grpc.py proto/*_pb2_grpc.pyi
 
 bench: install
 	$(PYTHON) benchmarks/offline_throughput.py

@@ -6,7 +6,7 @@ import argparse
 import logging
 import sys
 
-from services.cli import generate
+from services.cli import generate, scale, serve, status
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -14,6 +14,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--log-level", default="WARNING", help="logging level (default: WARNING)")
     sub = parser.add_subparsers(dest="command", required=True)
     generate.add_parser(sub)
+    serve.add_parser(sub)
+    scale.add_parser(sub)
+    status.add_parser(sub)
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:

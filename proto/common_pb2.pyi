@@ -1,0 +1,217 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class EngineType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    NORMAL: _ClassVar[EngineType]
+    PROMPT: _ClassVar[EngineType]
+    COMPLETION: _ClassVar[EngineType]
+
+class Pool(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    POOL_UNSPECIFIED: _ClassVar[Pool]
+    POOL_ENCODER: _ClassVar[Pool]
+    POOL_PREFILL: _ClassVar[Pool]
+    POOL_DECODE: _ClassVar[Pool]
+    POOL_COLOCATED: _ClassVar[Pool]
+NORMAL: EngineType
+PROMPT: EngineType
+COMPLETION: EngineType
+POOL_UNSPECIFIED: Pool
+POOL_ENCODER: Pool
+POOL_PREFILL: Pool
+POOL_DECODE: Pool
+POOL_COLOCATED: Pool
+
+class SamplingParams(_message.Message):
+    __slots__ = ("n", "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "seed", "stop", "stop_token_ids", "ignore_eos", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs", "skip_special_tokens", "include_stop_str_in_output")
+    N_FIELD_NUMBER: _ClassVar[int]
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    MIN_P_FIELD_NUMBER: _ClassVar[int]
+    PRESENCE_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    FREQUENCY_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    REPETITION_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MIN_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    SKIP_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    INCLUDE_STOP_STR_IN_OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    n: int
+    temperature: float
+    top_p: float
+    top_k: int
+    min_p: float
+    presence_penalty: float
+    frequency_penalty: float
+    repetition_penalty: float
+    seed: int
+    stop: _containers.RepeatedScalarFieldContainer[str]
+    stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    ignore_eos: bool
+    max_tokens: int
+    min_tokens: int
+    logprobs: int
+    prompt_logprobs: int
+    skip_special_tokens: bool
+    include_stop_str_in_output: bool
+    def __init__(self, n: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., max_tokens: _Optional[int] = ..., min_tokens: _Optional[int] = ..., logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[int] = ..., skip_special_tokens: _Optional[bool] = ..., include_stop_str_in_output: _Optional[bool] = ...) -> None: ...
+
+class TokenLogprob(_message.Message):
+    __slots__ = ("token_id", "logprob", "top")
+    class TopEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: float
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[float] = ...) -> None: ...
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    TOP_FIELD_NUMBER: _ClassVar[int]
+    token_id: int
+    logprob: float
+    top: _containers.ScalarMap[int, float]
+    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top: _Optional[_Mapping[int, float]] = ...) -> None: ...
+
+class SampleDelta(_message.Message):
+    __slots__ = ("index", "token_offset", "token_ids", "text_offset", "text", "logprobs", "finish_reason", "stop_token_id", "stop_string", "error", "num_cached_tokens")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TEXT_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    STOP_STRING_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    token_offset: int
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    text_offset: int
+    text: str
+    logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
+    finish_reason: str
+    stop_token_id: int
+    stop_string: str
+    error: str
+    num_cached_tokens: int
+    def __init__(self, index: _Optional[int] = ..., token_offset: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., text_offset: _Optional[int] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[str] = ..., stop_token_id: _Optional[int] = ..., stop_string: _Optional[str] = ..., error: _Optional[str] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...
+
+class WorkerInfo(_message.Message):
+    __slots__ = ("worker_id", "pool", "engine_type", "address", "metrics_address", "agent_name", "agent_metadata", "model", "max_model_len", "block_size", "num_blocks", "max_num_seqs", "pid")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_TYPE_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    METRICS_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
+    AGENT_METADATA_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    MAX_NUM_SEQS_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    pool: Pool
+    engine_type: EngineType
+    address: str
+    metrics_address: str
+    agent_name: str
+    agent_metadata: bytes
+    model: str
+    max_model_len: int
+    block_size: int
+    num_blocks: int
+    max_num_seqs: int
+    pid: int
+    def __init__(self, worker_id: _Optional[str] = ..., pool: _Optional[_Union[Pool, str]] = ..., engine_type: _Optional[_Union[EngineType, str]] = ..., address: _Optional[str] = ..., metrics_address: _Optional[str] = ..., agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., pid: _Optional[int] = ...) -> None: ...
+
+class WorkerLoad(_message.Message):
+    __slots__ = ("worker_id", "queued_prompt_tokens", "running_requests", "waiting_requests", "total_kv_tokens", "kv_usage", "free_blocks", "num_blocks", "requests", "reservations", "prefix_queries", "prefix_hits", "kv_transfer_bytes", "handoffs", "draining", "open_streams")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    WAITING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_KV_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    KV_USAGE_FIELD_NUMBER: _ClassVar[int]
+    FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    RESERVATIONS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_QUERIES_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_HITS_FIELD_NUMBER: _ClassVar[int]
+    KV_TRANSFER_BYTES_FIELD_NUMBER: _ClassVar[int]
+    HANDOFFS_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
+    OPEN_STREAMS_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    queued_prompt_tokens: int
+    running_requests: int
+    waiting_requests: int
+    total_kv_tokens: int
+    kv_usage: float
+    free_blocks: int
+    num_blocks: int
+    requests: int
+    reservations: int
+    prefix_queries: int
+    prefix_hits: int
+    kv_transfer_bytes: int
+    handoffs: int
+    draining: bool
+    open_streams: int
+    def __init__(self, worker_id: _Optional[str] = ..., queued_prompt_tokens: _Optional[int] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., total_kv_tokens: _Optional[int] = ..., kv_usage: _Optional[float] = ..., free_blocks: _Optional[int] = ..., num_blocks: _Optional[int] = ..., requests: _Optional[int] = ..., reservations: _Optional[int] = ..., prefix_queries: _Optional[int] = ..., prefix_hits: _Optional[int] = ..., kv_transfer_bytes: _Optional[int] = ..., handoffs: _Optional[int] = ..., draining: _Optional[bool] = ..., open_streams: _Optional[int] = ...) -> None: ...
+
+class WorkerStatus(_message.Message):
+    __slots__ = ("info", "load", "state", "inflight")
+    INFO_FIELD_NUMBER: _ClassVar[int]
+    LOAD_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    INFLIGHT_FIELD_NUMBER: _ClassVar[int]
+    info: WorkerInfo
+    load: WorkerLoad
+    state: str
+    inflight: int
+    def __init__(self, info: _Optional[_Union[WorkerInfo, _Mapping]] = ..., load: _Optional[_Union[WorkerLoad, _Mapping]] = ..., state: _Optional[str] = ..., inflight: _Optional[int] = ...) -> None: ...
+
+class PoolStatus(_message.Message):
+    __slots__ = ("pool", "target", "workers")
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    TARGET_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    pool: Pool
+    target: int
+    workers: _containers.RepeatedCompositeFieldContainer[WorkerStatus]
+    def __init__(self, pool: _Optional[_Union[Pool, str]] = ..., target: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ...) -> None: ...
+
+class ClusterStatus(_message.Message):
+    __slots__ = ("pools", "model", "ready", "detail")
+    POOLS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    READY_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    pools: _containers.RepeatedCompositeFieldContainer[PoolStatus]
+    model: str
+    ready: bool
+    detail: str
+    def __init__(self, pools: _Optional[_Iterable[_Union[PoolStatus, _Mapping]]] = ..., model: _Optional[str] = ..., ready: _Optional[bool] = ..., detail: _Optional[str] = ...) -> None: ...
+
+class StatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...

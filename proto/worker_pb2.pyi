@@ -1,0 +1,128 @@
+from proto import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class PrefillRequest(_message.Message):
+    __slots__ = ("request_id", "prompt_token_ids", "params", "kv_target")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PARAMS_FIELD_NUMBER: _ClassVar[int]
+    KV_TARGET_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    params: _common_pb2.SamplingParams
+    kv_target: bytes
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., kv_target: _Optional[bytes] = ...) -> None: ...
+
+class PrefillReply(_message.Message):
+    __slots__ = ("first", "kv_bytes", "kv_seconds", "queue_seconds")
+    FIRST_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_FIELD_NUMBER: _ClassVar[int]
+    KV_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    first: _common_pb2.SampleDelta
+    kv_bytes: int
+    kv_seconds: float
+    queue_seconds: float
+    def __init__(self, first: _Optional[_Union[_common_pb2.SampleDelta, _Mapping]] = ..., kv_bytes: _Optional[int] = ..., kv_seconds: _Optional[float] = ..., queue_seconds: _Optional[float] = ...) -> None: ...
+
+class ReserveRequest(_message.Message):
+    __slots__ = ("request_id", "prompt_token_ids", "params", "lease_s")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PARAMS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_S_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    params: _common_pb2.SamplingParams
+    lease_s: float
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., lease_s: _Optional[float] = ...) -> None: ...
+
+class ReserveReply(_message.Message):
+    __slots__ = ("kv_target",)
+    KV_TARGET_FIELD_NUMBER: _ClassVar[int]
+    kv_target: bytes
+    def __init__(self, kv_target: _Optional[bytes] = ...) -> None: ...
+
+class StreamRequest(_message.Message):
+    __slots__ = ("request_id",)
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
+
+class GenerateWork(_message.Message):
+    __slots__ = ("request_id", "prompt_token_ids", "params")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PARAMS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    params: _common_pb2.SamplingParams
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
+
+class AbortRequest(_message.Message):
+    __slots__ = ("request_id",)
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
+
+class AbortReply(_message.Message):
+    __slots__ = ("found",)
+    FOUND_FIELD_NUMBER: _ClassVar[int]
+    found: bool
+    def __init__(self, found: _Optional[bool] = ...) -> None: ...
+
+class ConnectPeerRequest(_message.Message):
+    __slots__ = ("agent_name", "agent_metadata")
+    AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
+    AGENT_METADATA_FIELD_NUMBER: _ClassVar[int]
+    agent_name: str
+    agent_metadata: bytes
+    def __init__(self, agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ...) -> None: ...
+
+class ConnectPeerReply(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class EncodeRequest(_message.Message):
+    __slots__ = ("request_id", "images")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    IMAGES_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    images: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, request_id: _Optional[str] = ..., images: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class EncodeReply(_message.Message):
+    __slots__ = ("embeddings_handle", "num_tokens")
+    EMBEDDINGS_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    embeddings_handle: bytes
+    num_tokens: int
+    def __init__(self, embeddings_handle: _Optional[bytes] = ..., num_tokens: _Optional[int] = ...) -> None: ...
+
+class HealthRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class HealthReply(_message.Message):
+    __slots__ = ("ok", "detail")
+    OK_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    ok: bool
+    detail: str
+    def __init__(self, ok: _Optional[bool] = ..., detail: _Optional[str] = ...) -> None: ...
+
+class DrainRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class DrainReply(_message.Message):
+    __slots__ = ("requests",)
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    requests: int
+    def __init__(self, requests: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,28 @@
+"""`deepinfer scale --prefill N --decode N`: resize the pools of a running cluster."""
+
+from __future__ import annotations
+
+import argparse
+
+from services.cli import admin
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("scale", help="change pool sizes of a running cluster (removed workers drain first)")
+    p.add_argument("--prefill", type=int, default=None, help="prefill engines")
+    p.add_argument("--decode", type=int, default=None, help="decode engines")
+    p.add_argument("--colocated", type=int, default=None, help="NORMAL engines (a --colocated cluster)")
+    admin.add_address(p)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from proto import gateway_pb2
+
+    wanted = {k: getattr(args, k) for k in ("prefill", "decode", "colocated") if getattr(args, k) is not None}
+    if not wanted:
+        raise ValueError("give at least one of --prefill, --decode, --colocated")
+    print(f"scaling to {', '.join(f'{v} {k}' for k, v in wanted.items())} ...", flush=True)
+    request = gateway_pb2.ScaleRequest(timeout_s=args.timeout, **wanted)
+    print(admin.format_status(admin.call(args, "Scale", request)))
+    return 0

@@ -1,0 +1,82 @@
+"""`deepinfer serve`: a local disaggregated cluster (Ray) behind the OpenAI-compatible gateway."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("serve", help="serve a model: gateway (HTTP + gRPC), router and P/D workers on Ray")
+    p.add_argument("--model", default=None, help="Hugging Face model directory (default: the embedded tiny model)")
+    p.add_argument("--served-model-name", default=None, help="the model id clients use (default: the directory name)")
+    p.add_argument("--host", default="127.0.0.1", help="address of the HTTP and gRPC servers (default: 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="HTTP port, OpenAI API (default: 8000; 0 = any free port)")
+    p.add_argument("--grpc-port", type=int, default=50051, help="gRPC port (default: 50051; 0 = any free port)")
+    p.add_argument("--prefill", type=int, default=1, help="prefill engines (default: 1)")
+    p.add_argument("--decode", type=int, default=1, help="decode engines, or NORMAL engines with --colocated")
+    p.add_argument("--colocated", action="store_true", help="one NORMAL engine per replica instead of P/D pools")
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/* and gRPC")
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--num-blocks", type=int, default=None, help="KV blocks per engine (default: measured)")
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--max-n", type=int, default=16, help="largest n a request may ask for")
+    p.add_argument("--max-concurrent-requests", type=int, default=512, help="more in flight get HTTP 429")
+    p.add_argument("--request-timeout", type=float, default=600.0, help="end-to-end deadline per request (s)")
+    p.add_argument("--engine-threads", type=int, default=1, help="torch threads per engine on CPU")
+    p.add_argument("--gpus-per-worker", type=float, default=None, help="default: 1 when CUDA is present, else 0")
+    p.add_argument("--num-cpus", type=int, default=None, help="CPUs of the local Ray node")
+    p.add_argument("--ray-address", default=None, help="join this Ray cluster instead of starting one")
+    p.set_defaults(func=run)
+
+
+def config_from_args(args: argparse.Namespace):
+    from services.controller.head import HeadConfig
+
+    engine_args = {"model": args.model, "dtype": args.dtype, "device": args.device, "block_size": args.block_size}
+    engine_args["max_num_seqs"] = args.max_num_seqs
+    if args.max_model_len:
+        engine_args["max_model_len"] = args.max_model_len
+    if args.num_blocks:
+        engine_args["num_gpu_blocks"] = args.num_blocks
+    gpus = args.gpus_per_worker
+    if gpus is None:
+        import torch
+
+        gpus = 1.0 if torch.cuda.is_available() and args.device != "cpu" else 0.0
+    for name in ("prefill", "decode"):
+        if getattr(args, name) < (0 if name == "prefill" and args.colocated else 1):
+            raise ValueError(f"--{name} must be at least 1")
+    return HeadConfig(
+        model=args.model,
+        served_model_name=args.served_model_name,
+        host=args.host,
+        port=args.port,
+        grpc_port=args.grpc_port,
+        prefill=args.prefill,
+        decode=args.decode,
+        colocated=args.colocated,
+        engine_args=engine_args,
+        api_key=args.api_key,
+        max_n=args.max_n,
+        max_concurrent_requests=args.max_concurrent_requests,
+        request_timeout_s=args.request_timeout,
+        torch_threads=args.engine_threads,
+        gpus_per_worker=gpus,
+        num_cpus=args.num_cpus,
+        ray_address=args.ray_address,
+        log_level=args.log_level.upper(),
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    from services.common.grpc_util import install_uvloop
+    from services.controller.head import Head
+
+    config = config_from_args(args)
+    install_uvloop()
+    asyncio.run(Head(config).run())
+    return 0

@@ -1,0 +1,61 @@
+"""Proto forms of the typed messages in `deltas.py` and `workers.py`."""
+
+from __future__ import annotations
+
+from dataclasses import fields
+
+from proto import common_pb2
+from services.common.deltas import SampleDelta, TokenLogprob
+from services.common.workers import WorkerInfo, WorkerLoad
+
+
+def delta_to_proto(d: SampleDelta) -> common_pb2.SampleDelta:
+    msg = common_pb2.SampleDelta(
+        index=d.index,
+        token_offset=d.token_offset,
+        token_ids=d.token_ids,
+        text_offset=d.text_offset,
+        text=d.text,
+        finish_reason=d.finish_reason or "",
+        error=d.error or "",
+        num_cached_tokens=d.num_cached_tokens,
+    )
+    for lp in d.logprobs or []:
+        msg.logprobs.add(token_id=lp.token_id, logprob=lp.logprob, top=lp.top)
+    if isinstance(d.stop_reason, int):
+        msg.stop_token_id = d.stop_reason
+    elif isinstance(d.stop_reason, str):
+        msg.stop_string = d.stop_reason
+    return msg
+
+
+def delta_from_proto(msg: common_pb2.SampleDelta) -> SampleDelta:
+    which = msg.WhichOneof("stop_reason")
+    return SampleDelta(
+        index=msg.index,
+        token_offset=msg.token_offset,
+        token_ids=list(msg.token_ids),
+        text_offset=msg.text_offset,
+        text=msg.text,
+        logprobs=[TokenLogprob(lp.token_id, lp.logprob, dict(lp.top)) for lp in msg.logprobs] or None,
+        finish_reason=msg.finish_reason or None,
+        stop_reason=getattr(msg, which) if which else None,
+        error=msg.error or None,
+        num_cached_tokens=msg.num_cached_tokens,
+    )
+
+
+def info_to_proto(info: WorkerInfo) -> common_pb2.WorkerInfo:
+    return common_pb2.WorkerInfo(**{f.name: getattr(info, f.name) for f in fields(WorkerInfo)})
+
+
+def info_from_proto(msg: common_pb2.WorkerInfo) -> WorkerInfo:
+    return WorkerInfo(**{f.name: getattr(msg, f.name) for f in fields(WorkerInfo)})
+
+
+def load_to_proto(load: WorkerLoad) -> common_pb2.WorkerLoad:
+    return common_pb2.WorkerLoad(**{f.name: getattr(load, f.name) for f in fields(WorkerLoad)})
+
+
+def load_from_proto(msg: common_pb2.WorkerLoad) -> WorkerLoad:
+    return WorkerLoad(**{f.name: getattr(msg, f.name) for f in fields(WorkerLoad)})

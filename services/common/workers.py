@@ -1,0 +1,57 @@
+"""Who a worker is (`WorkerInfo`) and how loaded it is (`WorkerLoad`): the registry's vocabulary.
+
+Field for field the proto messages `deepinfer.v1.WorkerInfo` / `WorkerLoad` (see
+`proto/common.proto` for the meaning of each); `messages.py` converts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# proto enum values, mirrored so that cores need no generated code
+POOL_ENCODER, POOL_PREFILL, POOL_DECODE, POOL_COLOCATED = 1, 2, 3, 4
+POOL_NAMES = {POOL_ENCODER: "encoder", POOL_PREFILL: "prefill", POOL_DECODE: "decode", POOL_COLOCATED: "colocated"}
+
+
+@dataclass
+class WorkerInfo:
+    worker_id: str
+    pool: int
+    """One of the POOL_* values."""
+    engine_type: int
+    """`EngineType.value`."""
+    address: str
+    """host:port of the worker's gRPC server."""
+    metrics_address: str = ""
+    agent_name: str = ""
+    agent_metadata: bytes = b""
+    model: str = ""
+    max_model_len: int = 0
+    block_size: int = 0
+    num_blocks: int = 0
+    max_num_seqs: int = 0
+    pid: int = 0
+
+    @property
+    def pool_name(self) -> str:
+        return POOL_NAMES.get(self.pool, "unknown")
+
+
+@dataclass
+class WorkerLoad:
+    worker_id: str = ""
+    queued_prompt_tokens: int = 0
+    running_requests: int = 0
+    waiting_requests: int = 0
+    total_kv_tokens: int = 0
+    kv_usage: float = 0.0
+    free_blocks: int = 0
+    num_blocks: int = 0
+    requests: int = 0
+    reservations: int = 0
+    prefix_queries: int = 0
+    prefix_hits: int = 0
+    kv_transfer_bytes: int = 0
+    handoffs: int = 0
+    draining: bool = False
+    open_streams: int = 0

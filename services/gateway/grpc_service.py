@@ -1,0 +1,77 @@
+"""The gateway's gRPC API (`deepinfer.v1.Gateway`): a thin layer over GatewayCore."""
+
+from __future__ import annotations
+
+import uuid
+
+from proto import gateway_pb2, gateway_pb2_grpc
+from services.common.errors import ErrorCode, ServiceError
+from services.common.grpc_util import handles_errors
+from services.common.messages import delta_to_proto
+from services.gateway import validation
+from services.gateway.core import GatewayCore, usage
+
+
+def _authorization(context) -> str:
+    for key, value in context.invocation_metadata() or ():
+        if key == "authorization":
+            return value
+    return ""
+
+
+class GatewayService(gateway_pb2_grpc.GatewayServicer):
+    def __init__(self, core: GatewayCore):
+        self.core = core
+
+    @handles_errors
+    async def Generate(self, request, context):
+        core = self.core
+        core.check_api_key(_authorization(context))
+        validation.check_model(request.model, core.config.model_name)
+        prompt, param = self._prompt(request)
+        fields = {
+            f.name: v if isinstance(v, (int, float, bool, str)) else list(v) for f, v in request.params.ListFields()
+        }
+        if fields.get("max_tokens") == 0:  # the proto's "up to the context length"
+            fields["max_tokens"] = None
+        params = core.prepare([prompt], fields, param)
+        request_id = request.request_id or uuid.uuid4().hex
+        core.admit()
+        try:
+            choices = {}
+            async for choice, delta in core.generate([prompt], params, request_id):
+                choices[choice.index] = choice
+                yield gateway_pb2.GenerateResponse(request_id=request_id, delta=delta_to_proto(delta))
+            u = usage(list(choices.values()))
+            yield gateway_pb2.GenerateResponse(
+                request_id=request_id,
+                usage=gateway_pb2.Usage(
+                    prompt_tokens=u["prompt_tokens"],
+                    completion_tokens=u["completion_tokens"],
+                    cached_tokens=u["prompt_tokens_details"]["cached_tokens"],
+                ),
+            )
+        finally:
+            core.release()
+
+    def _prompt(self, request) -> tuple[list[int], str]:
+        which = request.WhichOneof("prompt")
+        if which == "text":
+            return validation.encode_prompts(request.text, self.core.tokenizer, self.core.vocab_size)[0], "text"
+        if which == "token_ids":
+            ids = list(request.token_ids.ids)
+            return validation.encode_prompts(ids, self.core.tokenizer, self.core.vocab_size)[0], "token_ids"
+        if which == "chat":
+            messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
+            return validation.encode_chat(messages, self.core.tokenizer), "chat"
+        raise ServiceError(ErrorCode.INVALID_ARGUMENT, "set one of text, token_ids or chat", "prompt")
+
+    async def Health(self, request, context):
+        ready, detail = await self.core.ready()
+        return gateway_pb2.HealthCheckReply(ready=ready, detail=detail)
+
+    @handles_errors
+    async def Models(self, request, context):
+        self.core.check_api_key(_authorization(context))
+        info = gateway_pb2.ModelInfo(id=self.core.config.model_name, max_model_len=self.core.config.max_model_len)
+        return gateway_pb2.ModelsReply(models=[info])

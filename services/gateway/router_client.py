@@ -1,0 +1,79 @@
+"""How the gateway reaches the router: over gRPC (the cluster) or in-process (tests, benchmarks)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Protocol
+
+import grpc
+
+from deepinfer_core.sampling_params import SamplingParams
+from proto import common_pb2, router_pb2, router_pb2_grpc
+from services.common.deltas import SampleDelta
+from services.common.errors import ErrorCode, ServiceError, code_from_grpc_name
+from services.common.grpc_util import channel, error_from_rpc
+from services.common.messages import delta_from_proto
+from services.common.params import params_to_proto
+
+
+class RouterClient(Protocol):
+    def generate(
+        self, request_id: str, prompt: list[int], params: SamplingParams, timeout_s: float
+    ) -> AsyncIterator[SampleDelta]: ...
+
+    async def status(self) -> common_pb2.ClusterStatus: ...
+
+
+class GrpcRouterClient:
+    def __init__(self, address: str):
+        self._channel = channel(address)
+        self._stub = router_pb2_grpc.RouterStub(self._channel)
+
+    async def generate(self, request_id, prompt, params, timeout_s) -> AsyncIterator[SampleDelta]:
+        req = router_pb2.RouteRequest(
+            request_id=request_id, prompt_token_ids=prompt, params=params_to_proto(params), timeout_s=timeout_s
+        )
+        call = self._stub.Generate(req, timeout=timeout_s + 5 if timeout_s else None)
+        try:
+            async for msg in call:
+                yield delta_from_proto(msg)
+        except grpc.aio.AioRpcError as e:
+            raise _error(e) from None
+        finally:
+            call.cancel()
+
+    async def status(self) -> common_pb2.ClusterStatus:
+        try:
+            return await self._stub.Status(common_pb2.StatusRequest(), timeout=5)
+        except grpc.aio.AioRpcError as e:
+            raise error_from_rpc(e, "the router") from None
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+
+def _error(e: grpc.aio.AioRpcError) -> ServiceError:
+    """The router's own status passes through (it names the stage at fault); a transport
+    failure names the router."""
+    details = e.details() or e.code().name
+    if e.code() == grpc.StatusCode.UNAVAILABLE and "failed to connect" in details:
+        return ServiceError(ErrorCode.UNAVAILABLE, f"the router is unreachable: {details}")
+    return ServiceError(code_from_grpc_name(e.code().name), details)
+
+
+class LocalRouterClient:
+    """A RouterCore in this process."""
+
+    def __init__(self, core):
+        self.core = core
+
+    def generate(self, request_id, prompt, params, timeout_s) -> AsyncIterator[SampleDelta]:
+        return self.core.generate(request_id, prompt, params, timeout_s)
+
+    async def status(self) -> common_pb2.ClusterStatus:
+        from services.router.service import cluster_status
+
+        return cluster_status(self.core, {})
+
+    async def close(self) -> None:
+        pass

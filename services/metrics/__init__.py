@@ -1,0 +1,1 @@
+"""Prometheus metrics, with vLLM-like names (`deepinfer:*`) and role/worker labels."""

@@ -1,0 +1,67 @@
+"""Engine load as Prometheus metrics, read from `WorkerLoad` snapshots at scrape time.
+
+A worker exposes its own snapshot; the gateway exposes every registered worker's (the
+router polls them). Labels: role (prefill / decode / colocated) and worker id.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client.core import REGISTRY, CounterMetricFamily, GaugeMetricFamily
+
+from services.common.workers import WorkerLoad
+
+LoadSource = Callable[[], list[tuple[str, str, WorkerLoad]]]
+"""Returns (role, worker id, load) per worker."""
+
+_GAUGES = [
+    ("num_requests_running", "Requests decoding or prefilling now.", lambda x: x.running_requests),
+    ("num_requests_waiting", "Requests admitted and not yet scheduled.", lambda x: x.waiting_requests),
+    ("kv_cache_usage_perc", "Fraction of KV blocks in use (1 = full).", lambda x: x.kv_usage),
+    ("kv_cache_free_blocks", "Free KV blocks.", lambda x: x.free_blocks),
+    ("total_kv_tokens", "Tokens whose KV the engine holds for live requests.", lambda x: x.total_kv_tokens),
+    ("queued_prompt_tokens", "Prompt tokens admitted and not yet prefilled.", lambda x: x.queued_prompt_tokens),
+    ("kv_reservations", "Decode reservations waiting for their KV.", lambda x: x.reservations),
+    (
+        "prefix_cache_hit_rate",
+        "Prompt tokens found in the prefix cache / tokens looked up.",
+        lambda x: x.prefix_hits / x.prefix_queries if x.prefix_queries else 0.0,
+    ),
+]
+_COUNTERS = [
+    ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", lambda x: x.prefix_queries),
+    ("prefix_cache_hits", "Prompt tokens found in the prefix cache.", lambda x: x.prefix_hits),
+    ("engine_kv_transfer_bytes", "KV bytes this engine wrote to decode engines.", lambda x: x.kv_transfer_bytes),
+    ("handoffs", "Prefill-to-decode hand-offs (sent by a PE, received by a CE).", lambda x: x.handoffs),
+]
+
+_sources: list[LoadSource] = []
+
+
+class _LoadCollector:
+    def collect(self):
+        rows = [row for source in list(_sources) for row in source()]
+        for name, doc, get in _GAUGES:
+            family = GaugeMetricFamily(f"deepinfer:{name}", doc, labels=["role", "worker"])
+            for role, worker, load in rows:
+                family.add_metric([role, worker], float(get(load)))
+            yield family
+        for name, doc, get in _COUNTERS:
+            family = CounterMetricFamily(f"deepinfer:{name}", doc, labels=["role", "worker"])
+            for role, worker, load in rows:
+                family.add_metric([role, worker], float(get(load)))
+            yield family
+
+
+_collector = _LoadCollector()
+REGISTRY.register(_collector)
+
+
+def add_load_source(source: LoadSource) -> None:
+    _sources.append(source)
+
+
+def remove_load_source(source: LoadSource) -> None:
+    if source in _sources:
+        _sources.remove(source)

@@ -1,0 +1,1 @@
+"""The router: the request state machine E -> P -> D, its policies and the pool registry."""

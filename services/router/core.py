@@ -1,0 +1,142 @@
+"""RouterCore: validates a request, fans out its samples, runs each through the stages and
+merges what the client may see. Plain Python over `WorkerClient`s: tests drive it without gRPC.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Optional
+
+from deepinfer_core.sampling_params import SamplingParams
+from services.common.deltas import SampleAssembler, SampleDelta
+from services.common.errors import ErrorCode, ServiceError
+from services.common.workers import POOL_COLOCATED, POOL_DECODE, POOL_NAMES, POOL_PREFILL
+from services.router.config import RouterConfig
+from services.router.decode_policy import DecodeCandidate, DecodePolicy
+from services.router.fanout import merge, split_samples
+from services.router.prefill_policy import PrefillCandidate, PrefillPolicy
+from services.router.registry import PoolRegistry, WorkerHandle
+from services.router.request_flow import SampleFlow
+
+logger = logging.getLogger(__name__)
+
+
+class RouterCore:
+    def __init__(self, registry: PoolRegistry, config: RouterConfig = RouterConfig(), model: str = ""):
+        self.registry = registry
+        self.config = config
+        self.model = model
+        self.prefill_policy = PrefillPolicy(config.prefill_buckets)
+        self.decode_policy = DecodePolicy()
+        self._background: set[asyncio.Task] = set()
+        self._poller: Optional[asyncio.Task] = None
+
+    def start(self) -> None:
+        self._poller = asyncio.ensure_future(self.registry.run_polling(self.config.poll_interval_s))
+
+    async def stop(self) -> None:
+        if self._poller is not None:
+            self._poller.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._poller
+        await asyncio.gather(*self._background, return_exceptions=True)
+        await self.registry.close()
+
+    # ---- requests --------------------------------------------------------------------------
+    async def generate(
+        self, request_id: str, prompt: list[int], params: SamplingParams, timeout_s: float = 0.0
+    ) -> AsyncIterator[SampleDelta]:
+        """Deltas of every sample as the client may see them (stop strings held back until
+        settled). Raises ServiceError; leaving early aborts the request everywhere."""
+        self._validate(prompt, params)
+        deadline = time.monotonic() + min(timeout_s or self.config.request_timeout_s, self.config.request_timeout_s)
+        holdback = max((len(s) for s in params.stop), default=1) - 1
+        samples = split_samples(params)
+        assemblers = [SampleAssembler(i, holdback) for i in range(len(samples))]
+        flows = [SampleFlow(self, request_id, i, prompt, p, deadline) for i, p in enumerate(samples)]
+        stream = merge([f.deltas() for f in flows])
+        try:
+            async for index, delta in stream:
+                asm = assemblers[index]
+                asm.apply(delta)
+                out = asm.take()
+                if out is not None:
+                    yield out
+        finally:
+            await stream.aclose()
+        unfinished = [a.index for a in assemblers if not a.done]
+        if unfinished:
+            raise ServiceError(ErrorCode.UNAVAILABLE, f"the output of sample(s) {unfinished} ended early")
+
+    def _validate(self, prompt: list[int], params: SamplingParams) -> None:
+        if not prompt:
+            raise ServiceError(ErrorCode.INVALID_ARGUMENT, "the prompt is empty", "prompt")
+        if params.n > self.config.max_n:
+            raise ServiceError(ErrorCode.INVALID_ARGUMENT, f"n must be <= {self.config.max_n}, got {params.n}", "n")
+        limit = self.max_model_len
+        if limit and len(prompt) >= limit:
+            raise ServiceError(
+                ErrorCode.INVALID_ARGUMENT,
+                f"the prompt has {len(prompt)} tokens; the model's context length is {limit}",
+                "prompt",
+            )
+
+    @property
+    def max_model_len(self) -> int:
+        lens = [h.info.max_model_len for h in self.registry.workers.values() if h.info.max_model_len]
+        return min(lens) if lens else 0
+
+    def disaggregated(self) -> bool:
+        """P/D unless the router serves the colocated pool (configured, or the only one present)."""
+        if self.config.pools:
+            return POOL_COLOCATED not in self.config.pools
+        has = {h.info.pool for h in self.registry.workers.values()}
+        return (POOL_PREFILL in has and POOL_DECODE in has) or POOL_COLOCATED not in has
+
+    def abort_later(self, worker: WorkerHandle, sub_id: str, prefill: bool) -> None:
+        """Abort a sub-request without waiting (the caller may be cancelled itself)."""
+        task = asyncio.ensure_future(worker.client.abort(sub_id, prefill))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    # ---- policies ----------------------------------------------------------------------------
+    def pick_prefill(self, prompt_len: int, exclude: set[str]) -> Optional[WorkerHandle]:
+        pool = {h.worker_id: h for h in self.registry.pool(POOL_PREFILL) if h.worker_id not in exclude}
+        candidates = [
+            PrefillCandidate(h.worker_id, h.load.queued_prompt_tokens + h.inflight_tokens) for h in pool.values()
+        ]
+        chosen = self.prefill_policy.pick(prompt_len, candidates)
+        return pool.get(chosen) if chosen else None
+
+    def pick_decode(self, pool_id: int, needed_tokens: int, exclude: set[str]) -> Optional[WorkerHandle]:
+        pool = {h.worker_id: h for h in self.registry.pool(pool_id) if h.worker_id not in exclude}
+        candidates = [
+            DecodeCandidate(
+                h.worker_id,
+                h.inflight,
+                h.inflight_tokens,
+                h.info.num_blocks * h.info.block_size,
+                h.info.max_num_seqs,
+            )
+            for h in pool.values()
+        ]
+        chosen = self.decode_policy.pick(needed_tokens, candidates)
+        return pool.get(chosen) if chosen else None
+
+    def no_capacity_error(self, pool: int) -> ServiceError:
+        name = POOL_NAMES[pool]
+        if not self.registry.pool(pool):
+            return ServiceError(ErrorCode.UNAVAILABLE, f"no {name} worker is available")
+        return ServiceError(ErrorCode.RESOURCE_EXHAUSTED, f"every {name} worker is at capacity; retry later")
+
+    # ---- state ---------------------------------------------------------------------------------
+    def ready(self) -> tuple[bool, str]:
+        pools = self.config.pools or ((POOL_PREFILL, POOL_DECODE) if self.disaggregated() else (POOL_COLOCATED,))
+        missing = [POOL_NAMES[p] for p in pools if not self.registry.pool(p)]
+        if missing:
+            return False, f"waiting for a ready worker in pool(s): {', '.join(missing)}"
+        return True, "ok"

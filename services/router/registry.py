@@ -1,0 +1,134 @@
+"""The pool registry: workers join and leave at run time; the router's view of their load.
+
+The router is the only dispatcher, so it counts exactly what it has sent to each worker
+(`inflight`, `inflight_tokens`); the workers' own reports (polled `Stats`) add what only the
+engine knows (free blocks, prefix hits) and tell whether a worker is alive. A worker that
+misses `max_failures` polls in a row is removed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Optional
+
+from services.common.errors import ServiceError
+from services.common.workers import POOL_DECODE, POOL_PREFILL, WorkerInfo, WorkerLoad
+from services.router.clients import WorkerClient
+
+logger = logging.getLogger(__name__)
+
+READY, DRAINING = "ready", "draining"
+
+
+@dataclass
+class WorkerHandle:
+    info: WorkerInfo
+    client: WorkerClient
+    state: str = READY
+    load: WorkerLoad = field(default_factory=WorkerLoad)
+    """The worker's last report."""
+    inflight: int = 0
+    """Requests the router has on this worker now."""
+    inflight_tokens: int = 0
+    """PE: prompt tokens of prefills in flight. CE / NORMAL: prompt + max output tokens of its requests."""
+    failures: int = 0
+    joined_at: float = field(default_factory=time.monotonic)
+
+    @property
+    def worker_id(self) -> str:
+        return self.info.worker_id
+
+
+class PoolRegistry:
+    def __init__(self, client_factory: Callable[[WorkerInfo], WorkerClient], max_failures: int = 3):
+        self.client_factory = client_factory
+        self.max_failures = max_failures
+        self.workers: dict[str, WorkerHandle] = {}
+        self._changed = asyncio.Event()
+
+    # ---- membership ------------------------------------------------------------------------
+    async def add(self, info: WorkerInfo, client: Optional[WorkerClient] = None) -> WorkerHandle:
+        """A worker joins its pool; PEs connect to every CE's transfer agent now, not on a request's path."""
+        old = self.workers.pop(info.worker_id, None)
+        if old is not None:
+            await old.client.close()
+        handle = WorkerHandle(info, client or self.client_factory(info))
+        if info.pool == POOL_DECODE and info.agent_name:
+            for pe in self.pool(POOL_PREFILL, ready_only=False):
+                await self._connect(pe, info)
+        if info.pool == POOL_PREFILL:
+            for ce in self.pool(POOL_DECODE, ready_only=False):
+                if ce.info.agent_name:
+                    await self._connect(handle, ce.info)
+        self.workers[info.worker_id] = handle
+        logger.info("worker %s joined the %s pool at %s", info.worker_id, info.pool_name, info.address)
+        self._notify()
+        return handle
+
+    async def _connect(self, pe: WorkerHandle, ce: WorkerInfo) -> None:
+        try:
+            await pe.client.connect_peer(ce.agent_name, ce.agent_metadata)
+        except ServiceError as e:  # the first hand-off connects lazily
+            logger.warning("could not connect %s to %s: %s", pe.worker_id, ce.worker_id, e)
+
+    async def remove(self, worker_id: str) -> bool:
+        handle = self.workers.pop(worker_id, None)
+        if handle is None:
+            return False
+        await handle.client.close()
+        logger.info("worker %s left the %s pool", worker_id, handle.info.pool_name)
+        self._notify()
+        return True
+
+    def drain(self, worker_id: str) -> Optional[WorkerHandle]:
+        """Route no new work to the worker."""
+        handle = self.workers.get(worker_id)
+        if handle is not None:
+            handle.state = DRAINING
+            self._notify()
+        return handle
+
+    def pool(self, pool: int, ready_only: bool = True) -> list[WorkerHandle]:
+        return [h for h in self.workers.values() if h.info.pool == pool and (h.state == READY or not ready_only)]
+
+    # ---- waiting for change ----------------------------------------------------------------
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    async def wait_changed(self, timeout_s: float) -> None:
+        """Until a worker joins, leaves or finishes work, or `timeout_s` passes."""
+        try:
+            await asyncio.wait_for(self._changed.wait(), timeout_s)
+        except asyncio.TimeoutError:
+            pass
+
+    def released(self, handle: WorkerHandle) -> None:
+        """Work left a worker: waiters for capacity may try again."""
+        self._notify()
+
+    # ---- health and load ---------------------------------------------------------------------
+    async def poll_once(self, timeout_s: float = 2.0) -> None:
+        handles = list(self.workers.values())
+        results = await asyncio.gather(*(h.client.stats(timeout_s) for h in handles), return_exceptions=True)
+        for handle, result in zip(handles, results):
+            if isinstance(result, WorkerLoad):
+                handle.load, handle.failures = result, 0
+                continue
+            handle.failures += 1
+            logger.warning("worker %s missed a health poll (%d): %s", handle.worker_id, handle.failures, result)
+            if handle.failures >= self.max_failures and self.workers.get(handle.worker_id) is handle:
+                await self.remove(handle.worker_id)
+
+    async def run_polling(self, interval_s: float) -> None:
+        while True:
+            await self.poll_once()
+            await asyncio.sleep(interval_s)
+
+    async def close(self) -> None:
+        for worker_id in list(self.workers):
+            await self.remove(worker_id)

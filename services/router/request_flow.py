@@ -1,0 +1,202 @@
+"""One sample of one request through the stages: the router's state machine.
+
+Disaggregated: reserve on a CE (lease) -> prefill on a PE into that reservation (the first
+token comes back here and goes straight to the client) -> stream the rest from the CE.
+A prefill that fails before any token was sent is retried on another PE with a fresh
+reservation. Colocated: one NORMAL engine streams everything. Every hop has a deadline;
+leaving early (client gone, error) aborts the sub-request on the stage that holds it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Optional
+
+from deepinfer_core.sampling_params import SamplingParams
+from services.common.deltas import SampleDelta
+from services.common.errors import ErrorCode, ServiceError
+from services.common.workers import POOL_COLOCATED, POOL_DECODE, POOL_NAMES, POOL_PREFILL
+from services.metrics import definitions as m
+from services.router.registry import WorkerHandle
+
+_NOT_RETRIED = (ErrorCode.INVALID_ARGUMENT, ErrorCode.CANCELLED, ErrorCode.DEADLINE_EXCEEDED)
+
+
+class SampleFlow:
+    def __init__(self, router, request_id: str, index: int, prompt: list[int], params: SamplingParams, deadline: float):
+        self.router = router
+        self.config = router.config
+        self.request_id = request_id
+        self.index = index
+        self.prompt = prompt
+        self.params = params
+        self.deadline = deadline
+        self.arrival = time.monotonic()
+        max_out = params.max_tokens or max(1, router.max_model_len - len(prompt))
+        self.kv_tokens = len(prompt) + max_out
+        """What the sample may hold on a decode engine (prompt + every output token)."""
+
+    def remaining(self) -> float:
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise ServiceError(ErrorCode.DEADLINE_EXCEEDED, f"request {self.request_id} ran past its deadline")
+        return left
+
+    def deltas(self) -> AsyncIterator[SampleDelta]:
+        if self.router.disaggregated():
+            return self._disaggregated()
+        return self._colocated()
+
+    # ---- colocated -------------------------------------------------------------------------
+    async def _colocated(self) -> AsyncIterator[SampleDelta]:
+        sub_id = f"{self.request_id}/{self.index}"
+        worker = await self._wait_for(
+            POOL_COLOCATED, lambda ex: self.router.pick_decode(POOL_COLOCATED, self.kv_tokens, ex), set()
+        )
+        self._hold(worker, self.kv_tokens, "colocated")
+        m.QUEUE_TIME.labels(self.router.model).observe(time.monotonic() - self.arrival)
+        finished = False
+        try:
+            async for delta in worker.client.generate(sub_id, self.prompt, self.params, self.remaining()):
+                finished = delta.finished
+                yield delta
+        finally:
+            self._release(worker, self.kv_tokens)
+            if not finished:
+                self.router.abort_later(worker, sub_id, prefill=False)
+
+    # ---- disaggregated ---------------------------------------------------------------------
+    async def _disaggregated(self) -> AsyncIterator[SampleDelta]:
+        tried_pe: set[str] = set()
+        suspect_ce: set[str] = set()
+        last_error: Optional[ServiceError] = None
+        for attempt in range(self.config.max_prefill_attempts):
+            sub_id = f"{self.request_id}/{self.index}/{attempt}"
+            ce, kv_target = await self._reserve(sub_id, suspect_ce)
+            try:
+                first = await self._prefill(sub_id, kv_target, tried_pe)
+            except _RetryPrefill as retry:
+                last_error = retry.error
+                (suspect_ce if retry.decode_side else tried_pe).add(retry.decode_side or retry.worker_id)
+                self._release(ce, self.kv_tokens)
+                self.router.abort_later(ce, sub_id, prefill=False)
+                m.ROUTER_RETRIES.labels(retry.error.code.name).inc()
+                continue
+            except BaseException:
+                self._release(ce, self.kv_tokens)
+                self.router.abort_later(ce, sub_id, prefill=False)
+                raise
+            async for delta in self._decode(ce, sub_id, first.first):
+                yield delta
+            return
+        raise ServiceError(
+            ErrorCode.UNAVAILABLE,
+            f"prefill failed {self.config.max_prefill_attempts} times; last error: "
+            f"{last_error.message if last_error else '?'}",
+        )
+
+    async def _reserve(self, sub_id: str, avoid: set[str]) -> tuple[WorkerHandle, bytes]:
+        """A reservation on a CE with room; CEs in `avoid` (suspected by a failed hand-off) only
+        when no other CE is ready."""
+        refused: set[str] = set()
+
+        def pick(exclude: set[str]) -> Optional[WorkerHandle]:
+            ce = self.router.pick_decode(POOL_DECODE, self.kv_tokens, exclude | avoid)
+            return ce or self.router.pick_decode(POOL_DECODE, self.kv_tokens, exclude)
+
+        while True:
+            ce = await self._wait_for(POOL_DECODE, pick, refused)
+            self._hold(ce, self.kv_tokens, None)
+            timeout = min(self.config.reserve_timeout_s, self.remaining())
+            try:
+                target = await ce.client.reserve(sub_id, self.prompt, self.params, self.config.lease_s, timeout)
+            except ServiceError as e:
+                self._release(ce, self.kv_tokens)
+                if e.code not in (ErrorCode.RESOURCE_EXHAUSTED, ErrorCode.UNAVAILABLE, ErrorCode.DEADLINE_EXCEEDED):
+                    raise
+                refused.add(ce.worker_id)
+                continue
+            m.ROUTER_DECISIONS.labels("decode", ce.worker_id).inc()
+            self._ce_id = ce.worker_id
+            return ce, target
+
+    async def _prefill(self, sub_id: str, kv_target: bytes, tried: set[str]):
+        pe = await self._wait_for(
+            POOL_PREFILL, lambda ex: self.router.pick_prefill(len(self.prompt), ex), tried, strict=True
+        )
+        self._hold(pe, len(self.prompt), "prefill")
+        timeout = min(self.config.prefill_timeout_s, self.remaining())
+        try:
+            result = await pe.client.prefill(sub_id, self.prompt, self.params, kv_target, timeout)
+        except ServiceError as e:
+            self.router.abort_later(pe, sub_id, prefill=True)
+            if e.code in _NOT_RETRIED:
+                raise
+            # the PE answered but the hand-off failed (transfer error, stale lease): the CE is suspect
+            decode_side = self._ce_id if e.code in (ErrorCode.INTERNAL, ErrorCode.FAILED_PRECONDITION) else ""
+            raise _RetryPrefill(e, pe.worker_id, decode_side) from None
+        except asyncio.CancelledError:
+            self.router.abort_later(pe, sub_id, prefill=True)
+            raise
+        finally:
+            self._release(pe, len(self.prompt))
+        m.QUEUE_TIME.labels(self.router.model).observe(result.queue_seconds + (self._dispatched - self.arrival))
+        m.KV_TRANSFER_SECONDS.labels(pe.worker_id).observe(result.kv_seconds)
+        m.KV_TRANSFER_BYTES.labels(pe.worker_id).inc(result.kv_bytes)
+        return result
+
+    async def _decode(self, ce: WorkerHandle, sub_id: str, first: SampleDelta) -> AsyncIterator[SampleDelta]:
+        finished = False
+        try:
+            yield first
+            async for delta in ce.client.stream(sub_id, self.remaining()):
+                finished = delta.finished
+                yield delta
+        finally:
+            self._release(ce, self.kv_tokens)
+            if not finished:
+                self.router.abort_later(ce, sub_id, prefill=False)
+
+    # ---- picking and accounting --------------------------------------------------------------
+    async def _wait_for(
+        self, pool: int, pick: Callable[[set[str]], Optional[WorkerHandle]], exclude: set[str], strict: bool = False
+    ) -> WorkerHandle:
+        """A worker from `pick`, waiting for one to join or free up until the admission deadline.
+        `exclude` is retried after a pause unless `strict` (workers that already failed us)."""
+        give_up = min(self.deadline, time.monotonic() + self.config.admission_timeout_s)
+        while True:
+            worker = pick(exclude)
+            if worker is not None:
+                self._dispatched = time.monotonic()
+                return worker
+            ready = {h.worker_id for h in self.router.registry.pool(pool)}
+            if strict and ready and ready <= exclude:
+                raise ServiceError(ErrorCode.UNAVAILABLE, f"every {POOL_NAMES[pool]} worker failed this request")
+            if time.monotonic() >= give_up:
+                raise self.router.no_capacity_error(pool)
+            await self.router.registry.wait_changed(min(0.05, max(0.001, give_up - time.monotonic())))
+            if not strict:
+                exclude.clear()
+
+    def _hold(self, worker: WorkerHandle, tokens: int, pool_label: Optional[str]) -> None:
+        worker.inflight += 1
+        worker.inflight_tokens += tokens
+        if pool_label:
+            m.ROUTER_DECISIONS.labels(pool_label, worker.worker_id).inc()
+
+    def _release(self, worker: WorkerHandle, tokens: int) -> None:
+        worker.inflight -= 1
+        worker.inflight_tokens -= tokens
+        self.router.registry.released(worker)
+
+
+class _RetryPrefill(Exception):
+    def __init__(self, error: ServiceError, worker_id: str, decode_side: str):
+        super().__init__(error.message)
+        self.error = error
+        self.worker_id = worker_id
+        """The PE that failed."""
+        self.decode_side = decode_side
+        """The CE to blame instead of the PE ("" = the PE's fault)."""

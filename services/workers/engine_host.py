@@ -1,0 +1,161 @@
+"""EngineHost: one engine on a thread of its own, fed from an asyncio loop.
+
+Nothing but the engine thread touches the engine. Other code queues calls (`call`) that run
+between steps, and hears about outputs through one callback per loop turn, posted to the
+asyncio loop (`on_turn(outputs, handoff_results)`), so request handlers never share state
+with the engine thread. A loop turn is what the P/D harness does: apply calls, poll hand-off
+notices (CE), step while there is work, collect hand-off results (PE).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, Optional
+
+from services.common.workers import WorkerLoad
+
+logger = logging.getLogger(__name__)
+
+_IDLE_WAIT_S = 0.05
+"""How long an idle engine thread sleeps waiting for a call."""
+_POLL_WAIT_S = 0.001
+"""How often a CE with open reservations polls for hand-off notices."""
+_LOAD_REFRESH_S = 0.05
+
+
+class EngineHost:
+    def __init__(self, engine, loop: asyncio.AbstractEventLoop, on_turn: Callable[[list, list], None]):
+        self.engine = engine
+        self.loop = loop
+        self.on_turn = on_turn
+        """Called on `loop` with (request outputs, hand-off results) after each turn that has any."""
+        self.error: Optional[str] = None
+        """Set when the engine raised: the host stops and reports unhealthy."""
+        self.load = WorkerLoad()
+        """A snapshot refreshed by the engine thread; safe to read anywhere."""
+        self.step_started_at = 0.0
+        self.num_steps = 0
+        self._calls: queue.SimpleQueue = queue.SimpleQueue()
+        self._stop = threading.Event()
+        self._load_at = 0.0
+        self._thread = threading.Thread(target=self._run, name=f"engine-{engine.name}", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        self._stop.set()
+        self._calls.put(None)
+        self._thread.join(timeout_s)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and self.error is None
+
+    def call(self, fn: Callable[..., Any], *args) -> concurrent.futures.Future:
+        """Run `fn(engine, *args)` on the engine thread between steps."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        if not self.alive:
+            future.set_exception(RuntimeError(f"engine {self.engine.name} is not running: {self.error}"))
+            return future
+        self._calls.put((fn, args, future))
+        return future
+
+    async def run(self, fn: Callable[..., Any], *args) -> Any:
+        """`call` awaited from the loop."""
+        return await asyncio.wrap_future(self.call(fn, *args))
+
+    # ---- the engine thread ------------------------------------------------------------------
+    def _run(self) -> None:
+        busy = False
+        while not self._stop.is_set():
+            try:
+                self._apply_calls(wait_s=0.0 if busy else self._idle_wait())
+                busy = self._turn()
+            except Exception as e:  # the engine is broken: fail loudly, stop taking work
+                logger.exception("engine %s failed", self.engine.name)
+                self.error = f"{type(e).__name__}: {e}"
+                break
+        self._fail_pending_calls()
+
+    def _idle_wait(self) -> float:
+        pending = getattr(self.engine, "reservations", None) or getattr(self.engine, "quarantine", None)
+        return _POLL_WAIT_S if pending else _IDLE_WAIT_S
+
+    def _apply_calls(self, wait_s: float) -> None:
+        try:
+            item = self._calls.get(timeout=wait_s) if wait_s > 0 else self._calls.get_nowait()
+        except queue.Empty:
+            return
+        while item is not None:
+            fn, args, future = item
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn(self.engine, *args))
+                except Exception as e:
+                    future.set_exception(e)
+            try:
+                item = self._calls.get_nowait()
+            except queue.Empty:
+                return
+
+    def _turn(self) -> bool:
+        outputs = []
+        poll = getattr(self.engine, "poll_handoffs", None)
+        if poll is not None:
+            outputs += poll()
+        stepped = self.engine.has_unfinished_requests()
+        if stepped:
+            self.step_started_at = time.monotonic()
+            outputs += self.engine.step()
+            self.num_steps += 1
+        pop = getattr(self.engine, "pop_handoff_results", None)
+        results = pop() if pop is not None else []
+        if outputs or results:
+            self.loop.call_soon_threadsafe(self.on_turn, outputs, results)
+        now = time.monotonic()
+        if stepped or now - self._load_at > _LOAD_REFRESH_S:
+            self._load_at = now
+            self.load = snapshot_load(self.engine)
+        return stepped or bool(outputs)
+
+    def _fail_pending_calls(self) -> None:
+        while True:
+            try:
+                item = self._calls.get_nowait()
+            except queue.Empty:
+                return
+            if item is not None and item[2].set_running_or_notify_cancel():
+                item[2].set_exception(RuntimeError(f"engine {self.engine.name} stopped: {self.error}"))
+
+
+def snapshot_load(engine) -> WorkerLoad:
+    """The engine's load, read on the engine thread."""
+    sched = engine.scheduler
+    bm = sched.block_manager
+    prompted = [entry[0] for entry in sched.prompted]
+    reservations = getattr(engine, "reservations", {})
+    kv_tokens = sum(len(s) for s in sched.running) + sum(len(s) for s in prompted)
+    kv_tokens += sum(len(r.seq) for r in reservations.values())
+    agent = getattr(engine, "agent", None)
+    return WorkerLoad(
+        queued_prompt_tokens=sum(s.num_uncomputed_tokens for s in sched.waiting),
+        running_requests=len(sched.running) + len(prompted),
+        waiting_requests=len(sched.waiting),
+        total_kv_tokens=kv_tokens,
+        kv_usage=bm.usage,
+        free_blocks=bm.num_free_blocks,
+        num_blocks=bm.num_blocks,
+        requests=len(engine.requests) + len(getattr(engine, "_inflight", [])) + len(getattr(engine, "_done", [])),
+        reservations=len(reservations),
+        prefix_queries=bm.prefix_queries,
+        prefix_hits=bm.prefix_hits,
+        kv_transfer_bytes=getattr(agent, "bytes_sent", 0) if agent is not None else 0,
+        handoffs=getattr(engine, "num_handoffs", 0),
+    )

@@ -1,0 +1,120 @@
+"""The prefill worker (PE): prefill into a CE's reservation, answer with the first token.
+
+`prefill()` resolves when the hand-off is done: the KV is in the CE's blocks and the CE has
+been told (first token, computed length). The first token's text and logprobs come from the
+PE's own step output, which precedes the hand-off result in the same engine turn.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+from deepinfer_core.outputs import RequestOutput
+from deepinfer_core.sampling_params import SamplingParams
+from deepinfer_core.transfer.messages import KVTarget
+from services.common.deltas import OutputDiffer, SampleDelta
+from services.common.errors import ErrorCode, ServiceError
+from services.common.workers import WorkerLoad
+from services.workers.base_core import WorkerCore
+
+
+@dataclass
+class PrefillResult:
+    first: SampleDelta
+    """The first token, its text and logprobs (never finished: the CE decides that)."""
+    kv_bytes: int = 0
+    kv_seconds: float = 0.0
+    queue_seconds: float = 0.0
+
+
+@dataclass
+class _Pending:
+    future: asyncio.Future
+    admitted_at: float
+    queue_seconds: Optional[float] = None
+    last: Optional[RequestOutput] = None
+
+
+class PrefillCore(WorkerCore):
+    def __init__(self, engine, worker_id: str = "", loop=None):
+        super().__init__(engine, worker_id, loop)
+        self.pending: dict[str, _Pending] = {}
+        self.num_handoffs = 0
+        self.num_failed_handoffs = 0
+        self.kv_bytes = 0
+
+    async def prefill(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, kv_target: bytes
+    ) -> PrefillResult:
+        self.check_accepting()
+        pending = _Pending(self.loop.create_future(), time.monotonic())
+        self.pending[request_id] = pending
+        try:
+            await self.host.run(_admit, request_id, kv_target, params, prompt_token_ids)
+        except ValueError as e:  # refused target: layout mismatch, expired lease, wrong size
+            self.pending.pop(request_id, None)
+            raise ServiceError(ErrorCode.FAILED_PRECONDITION, str(e)) from None
+        try:
+            return await pending.future
+        except asyncio.CancelledError:
+            if self.pending.pop(request_id, None) is not None:
+                await asyncio.shield(self.abort(request_id))
+            raise
+
+    async def connect_peer(self, agent_name: str, metadata: bytes) -> None:
+        await self.host.run(lambda engine: engine.connect_peer(agent_name, metadata))
+
+    def _forget(self, request_id: str) -> bool:
+        pending = self.pending.pop(request_id, None)
+        if pending is not None and not pending.future.done():
+            pending.future.set_exception(ServiceError(ErrorCode.CANCELLED, f"request {request_id!r} was aborted"))
+        return pending is not None
+
+    def _on_turn(self, outputs: list, handoff_results: list) -> None:
+        for out in outputs:
+            pending = self.pending.get(out.request_id)
+            if pending is None:
+                continue
+            if pending.queue_seconds is None:
+                pending.queue_seconds = max(0.0, self.host.step_started_at - pending.admitted_at)
+            pending.last = out
+            sample = out.outputs[0]
+            if sample.finish_reason in ("error", "abort", "preempted") and not sample.token_ids:
+                self._resolve(out.request_id, ServiceError(ErrorCode.INVALID_ARGUMENT, sample.error or "refused"))
+        for r in handoff_results:
+            pending = self.pending.get(r.request_id)
+            if r.ok:
+                self.num_handoffs += 1
+                self.kv_bytes += r.num_bytes
+            else:
+                self.num_failed_handoffs += 1
+            if pending is None:
+                continue
+            if not r.ok or pending.last is None:
+                self._resolve(r.request_id, ServiceError(ErrorCode.INTERNAL, f"KV hand-off failed: {r.error}"))
+                continue
+            first = OutputDiffer().diff(pending.last.outputs[0], pending.last.num_cached_tokens)
+            first.finish_reason = first.stop_reason = None
+            result = PrefillResult(first, r.num_bytes, r.seconds, pending.queue_seconds or 0.0)
+            self._resolve(r.request_id, result)
+
+    def _resolve(self, request_id: str, value) -> None:
+        pending = self.pending.pop(request_id, None)
+        if pending is None or pending.future.done():
+            return
+        if isinstance(value, Exception):
+            pending.future.set_exception(value)
+        else:
+            pending.future.set_result(value)
+
+    def stats(self) -> WorkerLoad:
+        load = super().stats()
+        load.handoffs = self.num_handoffs
+        return load
+
+
+def _admit(engine, request_id, kv_target, params, prompt_token_ids):
+    engine.add_prefill(request_id, KVTarget.from_bytes(kv_target), params, prompt_token_ids)

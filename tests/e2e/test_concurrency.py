@@ -1,0 +1,81 @@
+"""Many streams at once all complete; a client that leaves mid-stream frees its KV on both engines."""
+
+import asyncio
+import time
+
+import grpc
+import httpx
+import openai
+
+from proto import common_pb2, gateway_pb2_grpc, worker_pb2_grpc
+from tests.helpers.cluster import wait_until
+
+
+def _workers(cluster) -> dict[str, str]:
+    """pool name -> worker address."""
+    with grpc.insecure_channel(cluster.grpc_address) as ch:
+        status = gateway_pb2_grpc.ClusterStub(ch).Status(common_pb2.StatusRequest(), timeout=10)
+    names = {2: "prefill", 3: "decode"}
+    return {names[p.pool]: w.info.address for p in status.pools for w in p.workers}
+
+
+def _stats(address: str) -> common_pb2.WorkerLoad:
+    with grpc.insecure_channel(address) as ch:
+        return worker_pb2_grpc.WorkerStub(ch).Stats(common_pb2.StatusRequest(), timeout=10)
+
+
+def test_thirty_two_concurrent_streams_all_complete(cluster):
+    client = openai.AsyncOpenAI(base_url=cluster.base_url, api_key="x", max_retries=0, timeout=300)
+
+    async def one(i: int) -> tuple[int, str]:
+        stream = await client.completions.create(
+            model="deepinfer-tiny",
+            prompt=f"request number {i} says",
+            max_tokens=16,
+            temperature=0.8,
+            seed=i,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+        reasons = []
+        async for chunk in stream:
+            reasons += [c.finish_reason for c in chunk.choices if c.finish_reason]
+        return len(reasons), reasons[-1]
+
+    async def run_all():
+        return await asyncio.gather(*(one(i) for i in range(32)))
+
+    results = asyncio.run(run_all())
+    assert results == [(1, "length")] * 32
+
+
+def test_client_disconnect_mid_stream_frees_kv_on_prefill_and_decode(cluster):
+    workers = _workers(cluster)
+    free0 = {pool: _stats(addr).free_blocks for pool, addr in workers.items()}
+    body = {"prompt": "a long story " * 20, "max_tokens": 400, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", f"{cluster.base_url}/completions", json=body, timeout=60) as r:
+        seen = 0
+        for line in r.iter_lines():
+            seen += line.startswith("data: ")
+            if seen >= 3:
+                break
+        ce = _stats(workers["decode"])
+        assert ce.requests == 1 and ce.free_blocks < free0["decode"]  # the request holds KV on the CE
+    started = time.monotonic()
+    assert wait_until(lambda: _stats(workers["decode"]).requests == 0, timeout_s=30), "the CE still holds the request"
+    assert wait_until(lambda: _stats(workers["decode"]).free_blocks == free0["decode"], timeout_s=30)
+    assert time.monotonic() - started < 30
+    pe = _stats(workers["prefill"])
+    assert pe.requests == 0 and pe.free_blocks == free0["prefill"]
+
+
+def test_client_disconnect_while_waiting_for_a_non_streamed_answer(cluster):
+    workers = _workers(cluster)
+    free0 = _stats(workers["decode"]).free_blocks
+    body = {"prompt": "wait for me", "max_tokens": 450, "ignore_eos": True}
+    try:
+        httpx.post(f"{cluster.base_url}/completions", json=body, timeout=1.5)
+    except httpx.TimeoutException:
+        pass
+    assert wait_until(lambda: _stats(workers["decode"]).requests == 0, timeout_s=30)
+    assert wait_until(lambda: _stats(workers["decode"]).free_blocks == free0, timeout_s=30)

@@ -1,0 +1,123 @@
+"""`deepinfer scale` up and down while requests stream (none lost, pools report the new sizes),
+and stage failures: a dead PE is retried around, a dead CE ends its streams with a clear error."""
+
+import json
+import os
+import signal
+import threading
+
+import grpc
+import httpx
+import pytest
+
+from proto import common_pb2, gateway_pb2_grpc
+from tests.helpers.cluster import SMALL_ENGINE, ServeProcess, wait_until
+
+
+@pytest.fixture(scope="module")
+def serve(cluster):
+    s = ServeProcess("--ray-address", cluster.ray_address, *SMALL_ENGINE)  # its own workers on the shared Ray
+    yield s
+    s.stop()
+
+
+def _status(serve) -> common_pb2.ClusterStatus:
+    with grpc.insecure_channel(serve.grpc_address) as ch:
+        return gateway_pb2_grpc.ClusterStub(ch).Status(common_pb2.StatusRequest(), timeout=10)
+
+
+def _pool_sizes(serve) -> dict[int, int]:
+    return {p.pool: len(p.workers) for p in _status(serve).pools}
+
+
+class Streams:
+    """`count` streaming completions in threads; records each one's tokens and finish reason."""
+
+    def __init__(self, serve, count: int, max_tokens: int):
+        self.results: list = [None] * count
+        self.chunks = [0] * count
+        body = {"prompt": "scale me", "max_tokens": max_tokens, "stream": True, "ignore_eos": True}
+        self.threads = [threading.Thread(target=self._run, args=(serve, i, body)) for i in range(count)]
+        for t in self.threads:
+            t.start()
+
+    def _run(self, serve, i, body):
+        reasons, text, errors = [], "", []
+        try:
+            with httpx.stream("POST", f"{serve.base_url}/completions", json=body, timeout=300) as r:
+                for line in r.iter_lines():
+                    if not line.startswith("data: {"):
+                        continue
+                    chunk = json.loads(line[6:])
+                    if "error" in chunk:
+                        errors.append(chunk["error"]["message"])
+                        continue
+                    text += chunk["choices"][0]["text"]
+                    self.chunks[i] += 1
+                    reasons += [c["finish_reason"] for c in chunk["choices"] if c["finish_reason"]]
+        except Exception as e:
+            errors.append(repr(e))
+        self.results[i] = (reasons, errors)
+
+    def join(self):
+        for t in self.threads:
+            t.join(300)
+        return self.results
+
+
+def test_scale_up_and_down_while_streaming_loses_nothing(serve):
+    streams = Streams(serve, 8, max_tokens=200)
+    r = serve.cli("scale", "--prefill", "2", "--decode", "2")
+    assert r.returncode == 0, r.stderr
+    assert "prefill pool: 2 worker(s), target 2" in r.stdout and "decode pool: 2 worker(s), target 2" in r.stdout
+    more = Streams(serve, 8, max_tokens=200)  # spread over the new workers too
+    wait_until(lambda: sum(w.inflight for p in _status(serve).pools for w in p.workers if p.pool == 3) >= 8, 30)
+    r = serve.cli("scale", "--prefill", "1", "--decode", "1")  # drains while streams are running
+    assert r.returncode == 0, r.stderr
+    assert _pool_sizes(serve) == {2: 1, 3: 1}
+    for reasons, errors in streams.join() + more.join():
+        assert errors == [] and reasons == ["length"]
+    r = serve.cli("status")
+    assert r.returncode == 0 and "prefill pool: 1 worker(s), target 1" in r.stdout
+
+
+def test_a_dead_prefill_engine_is_routed_around(serve):
+    assert serve.cli("scale", "--prefill", "2").returncode == 0
+    prefill = next(p for p in _status(serve).pools if p.pool == 2)
+    victim = prefill.workers[-1].info
+    os.kill(victim.pid, signal.SIGKILL)
+    for i in range(6):  # some of these pick the dead PE before the health poll drops it
+        r = httpx.post(
+            f"{serve.base_url}/completions",
+            json={"prompt": f"retry {i}", "max_tokens": 4, "ignore_eos": True},
+            timeout=120,
+        )
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == 4
+    assert wait_until(lambda: _pool_sizes(serve)[2] == 1, timeout_s=30)
+
+
+def test_a_dead_decode_engine_ends_its_streams_with_a_clear_error(serve):
+    assert serve.cli("scale", "--decode", "2").returncode == 0
+    streams = Streams(serve, 4, max_tokens=400)
+    assert wait_until(lambda: min(streams.chunks) >= 2, timeout_s=120)  # all four are decoding
+    decode = next(p for p in _status(serve).pools if p.pool == 3)
+    victim = max(decode.workers, key=lambda w: w.inflight)
+    os.kill(victim.info.pid, signal.SIGKILL)
+    results = streams.join()
+    failed = [errors for reasons, errors in results if errors]
+    assert len(failed) == victim.inflight >= 1, (failed, victim.inflight)
+    assert all("unreachable" in e[0] or "decode" in e[0] for e in failed), failed
+    assert all(reasons == ["length"] for reasons, errors in results if not errors)
+    r = httpx.post(f"{serve.base_url}/completions", json={"prompt": "still here", "max_tokens": 3}, timeout=60)
+    assert r.status_code == 200
+
+
+def test_health_is_503_while_a_pool_has_no_ready_worker(serve):
+    assert serve.cli("scale", "--prefill", "0").returncode == 0
+    r = httpx.get(f"{serve.url}/health", timeout=10)
+    assert r.status_code == 503 and "prefill" in r.json()["detail"]
+    assert serve.cli("scale", "--prefill", "1").returncode == 0
+    assert httpx.get(f"{serve.url}/health", timeout=10).status_code == 200
+    r = httpx.post(f"{serve.base_url}/completions", json={"prompt": "back", "max_tokens": 3}, timeout=60)
+    assert r.status_code == 200

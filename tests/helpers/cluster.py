@@ -1,0 +1,77 @@
+"""`deepinfer serve` in a subprocess, on free ports, for end-to-end tests."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from typing import Optional
+
+_READY = re.compile(r"OpenAI API at (http://\S+)/v1 , gRPC at (\S+) ")
+_RAY = re.compile(r"Ray cluster at (\S+)")
+
+SMALL_ENGINE = ["--num-blocks", "512", "--block-size", "16", "--max-model-len", "512"]
+"""Small KV caches: 512 blocks of 16 tokens per engine."""
+
+
+class ServeProcess:
+    def __init__(self, *args: str, start_timeout_s: float = 240.0):
+        cmd = [sys.executable, "-m", "services.cli.main", "serve", "--port", "0", "--grpc-port", "0", *args]
+        # token auth on both the cluster that starts Ray and those that join it (`--ray-address`)
+        env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "token"}
+        self.proc = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True
+        )
+        self.lines: list[str] = []
+        self._ready = threading.Event()
+        self.url: Optional[str] = None
+        self.grpc_address: Optional[str] = None
+        self.ray_address: Optional[str] = None
+        """The Ray cluster's address: another `serve --ray-address` can join it (saves a Ray start)."""
+        threading.Thread(target=self._read, daemon=True).start()
+        if not self._ready.wait(start_timeout_s) or self.url is None:
+            self.stop()
+            raise RuntimeError("deepinfer serve did not become ready:\n" + "".join(self.lines[-50:]))
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.append(line)
+            ray_match = _RAY.search(line)
+            if ray_match:
+                self.ray_address = ray_match.group(1)
+            match = _READY.search(line)
+            if match:
+                self.url, self.grpc_address = match.group(1), match.group(2)
+                self._ready.set()
+        self._ready.set()
+
+    @property
+    def base_url(self) -> str:
+        return f"{self.url}/v1"
+
+    def cli(self, *args: str, timeout_s: float = 600.0) -> subprocess.CompletedProcess:
+        """Run `deepinfer <args> --address <this cluster>`."""
+        cmd = [sys.executable, "-m", "services.cli.main", *args, "--address", self.grpc_address]
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+
+    def stop(self, timeout_s: float = 60.0) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+
+
+def wait_until(predicate, timeout_s: float = 30.0, interval_s: float = 0.1):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = predicate()
+        if value or time.monotonic() > deadline:
+            return value
+        time.sleep(interval_s)

@@ -1,0 +1,60 @@
+"""Gateway admission and validation as plain units (the e2e bad-input matrix covers HTTP)."""
+
+import pytest
+
+from deepinfer_core.builtin import TINY_MODEL_DIR
+from deepinfer_core.tokenizer import load_tokenizer
+from services.common.errors import ErrorCode, ServiceError
+from services.gateway import validation
+from services.gateway.core import GatewayConfig, GatewayCore
+
+
+def _core(**kw) -> GatewayCore:
+    return GatewayCore(GatewayConfig("m", 64, **kw), load_tokenizer(TINY_MODEL_DIR), router=None)
+
+
+def test_more_requests_than_the_limit_get_429():
+    core = _core(max_concurrent_requests=2)
+    core.admit()
+    core.admit()
+    with pytest.raises(ServiceError) as e:
+        core.admit()
+    assert e.value.code is ErrorCode.RESOURCE_EXHAUSTED and e.value.http_status == 429
+    core.release()
+    core.admit()
+
+
+def test_api_key_needs_the_bearer_scheme_and_the_exact_key():
+    core = _core(api_key="k")
+    core.check_api_key("Bearer k")
+    core.check_api_key("bearer k")
+    for header in (None, "", "k", "Bearer", "Bearer x", "Basic k"):
+        with pytest.raises(ServiceError) as e:
+            core.check_api_key(header)
+        assert e.value.http_status == 401
+    _core().check_api_key(None)  # no key configured: open
+
+
+def test_validation_statuses_and_params():
+    core = _core(max_n=4)
+    cases = [
+        (lambda: core.prepare([[1, 2]], {"n": 5}), 400, "n"),
+        (lambda: core.prepare([[1, 2]], {"temperature": 2.5}), 400, "temperature"),
+        (lambda: core.prepare([[1, 2]], {"top_p": 0.0}), 400, "top_p"),
+        (lambda: core.prepare([[1, 2]], {"max_tokens": 0}), 400, "max_tokens"),
+        (lambda: core.prepare([list(range(64))], {}), 413, "prompt"),
+        (lambda: core.prepare([[1] * 60], {"max_tokens": 10}), 400, "max_tokens"),
+        (lambda: validation.check_model("other", "m"), 404, "model"),
+        (lambda: validation.encode_prompts([1, 5000], core.tokenizer, core.vocab_size), 400, "prompt"),
+        (lambda: validation.encode_chat([], core.tokenizer), 400, "messages"),
+    ]
+    for call, status, param in cases:
+        with pytest.raises(ServiceError) as e:
+            call()
+        assert (e.value.http_status, e.value.param) == (status, param), e.value
+    params = core.prepare([[1, 2]], {"n": 2, "temperature": 0.5, "max_tokens": None, "stop": "x"})
+    assert (params.n, params.temperature, params.max_tokens, params.stop) == (2, 0.5, None, ["x"])
+    assert validation.encode_prompts(["a", "b"], core.tokenizer, core.vocab_size) == [
+        core.tokenizer.encode("a"),
+        core.tokenizer.encode("b"),
+    ]

@@ -7,6 +7,9 @@ from deepinfer_core.pd.harness import PDPair
 from tests.helpers.pd import ENGINE_ARGS, greedy, normal_reference, wait_free_blocks
 
 
+CE_BLOCKS = 512
+
+
 def _prompts():
     g = torch.Generator().manual_seed(5)
     lens = [1, 5, 8, 9, 23, 64, 130]  # single token, under/at/over one block, many blocks
@@ -15,7 +18,12 @@ def _prompts():
 
 @pytest.fixture(scope="module")
 def pair():
-    p = PDPair(ENGINE_ARGS, pe_args=dict(chunked_prefill=True, max_num_batched_tokens=32))
+    # the CE holds all 64 concurrent requests of the last test at once
+    p = PDPair(
+        ENGINE_ARGS,
+        pe_args=dict(chunked_prefill=True, max_num_batched_tokens=32),
+        ce_args=dict(num_gpu_blocks=CE_BLOCKS),
+    )
     yield p
     p.close()
 
@@ -69,5 +77,5 @@ def test_sixty_four_concurrent_handoffs_lose_nothing(pair):
     outs = pair.generate(prompts, greedy(4), timeout_s=600, lease_s=600)
     assert len(outs) == 64 and all(len(o.outputs[0].token_ids) == 4 for o in outs)
     assert all(o.outputs[0].finish_reason == "length" for o in outs)
-    assert wait_free_blocks(pair.ce, ENGINE_ARGS["num_gpu_blocks"]) == ENGINE_ARGS["num_gpu_blocks"]
+    assert wait_free_blocks(pair.ce, CE_BLOCKS) == CE_BLOCKS
     assert wait_free_blocks(pair.pe, ENGINE_ARGS["num_gpu_blocks"]) == ENGINE_ARGS["num_gpu_blocks"]

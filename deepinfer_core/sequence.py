@@ -85,6 +85,8 @@ class Sequence:
     output_top_logprobs: list[Optional[dict[int, float]]] = field(default_factory=list)
     prompt_logprobs: Optional[list[Optional[dict[int, float]]]] = None
     first_token_time: Optional[float] = None
+    mm_placeholders: list = field(default_factory=list)
+    """The prompt's images (`multimodal.inputs.ImagePlaceholder`: positions, embeddings, content hash)."""
 
     def __len__(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
@@ -108,6 +110,14 @@ class Sequence:
         if start >= n:
             return self.output_token_ids[start - n : end - n]
         return self.prompt_token_ids[start:] + self.output_token_ids[: end - n]
+
+    def hash_slice(self, start: int, end: int) -> list[int]:
+        """Tokens [start, end) as prefix-cache keys: image positions stand for their image's content."""
+        tokens = self.token_slice(start, end)
+        for p in self.mm_placeholders:
+            for pos in range(max(start, p.offset), min(end, p.offset + p.length)):
+                tokens[pos - start] = p.hash_token(pos - p.offset)
+        return tokens
 
     @property
     def num_uncomputed_tokens(self) -> int:

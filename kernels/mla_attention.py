@@ -13,13 +13,17 @@ Two ways to attend, equal up to rounding:
   and apply `W_UV` to the latent output afterwards. Reads only the compressed cache.
 
 A step's layout is the same as in `paged_attention`: sequence b feeds `query_lens[b]` new tokens
-at the end of its `seq_lens[b]`-token context.
+at the end of its `seq_lens[b]`-token context. One-token-per-sequence decode with fixed shapes
+(batched decode, CUDA graphs) is `mla_decode.mla_decode_attention_ref`, the reference of the
+Triton decode kernel.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from kernels.mla_decode import mla_decode_attention_ref
 
 
 def write_latent_cache(
@@ -93,12 +97,12 @@ def mla_attention_absorbed(
     scale: float,
 ) -> torch.Tensor:  # [T, Hq, L]: attention-weighted latents (W_UV not yet applied)
     """Attention straight over the latent cache: MQA whose one key is [c, k_pe] and value is c."""
+    if len(query_lens) > 1 and all(q == 1 for q in query_lens):  # decode: one padded batch
+        width = (max(seq_lens) + latent_cache.shape[1] - 1) // latent_cache.shape[1]
+        lens = torch.tensor(seq_lens, device=q_latent.device)
+        return mla_decode_attention_ref(q_latent, q_pe, latent_cache, block_tables[:, :width], lens, scale)
     rank = q_latent.shape[-1]
     q_full = torch.cat([q_latent, q_pe], dim=-1)  # [T, Hq, L + R]
-    if len(query_lens) > 1 and all(q == 1 for q in query_lens):
-        width = (max(seq_lens) + latent_cache.shape[1] - 1) // latent_cache.shape[1]
-        lens = torch.tensor(seq_lens, device=q_full.device)
-        return mla_decode_static(q_full, latent_cache, block_tables[:, :width], lens, scale, rank)
     out = q_latent.new_empty(q_latent.shape)
     start = 0
     for b, (q_len, s_len) in enumerate(zip(query_lens, seq_lens)):
@@ -109,23 +113,3 @@ def mla_attention_absorbed(
         out[start : start + q_len] = o.transpose(0, 1)  # o: [Hq, q, L]
         start += q_len
     return out
-
-
-def mla_decode_static(
-    q_full: torch.Tensor,  # [B, Hq, L + R]: one new token per sequence, [q_latent, q_pe]
-    latent_cache: torch.Tensor,  # [num_blocks, block_size, L + R]
-    block_tables: torch.Tensor,  # [B, W] int32
-    seq_lens: torch.Tensor,  # [B] int32
-    scale: float,
-    kv_lora_rank: int,
-) -> torch.Tensor:  # [B, Hq, L]
-    """Absorbed decode with shapes fixed by (B, W) and no host sync (CUDA-graph capturable):
-    every sequence gathers all W blocks and masks positions past its length. The Hq query heads
-    are the query rows of the single latent KV head."""
-    B, W = block_tables.shape
-    ctx = latent_cache[block_tables.long()].reshape(B, 1, W * latent_cache.shape[1], -1).to(q_full.dtype)
-    mask = torch.arange(ctx.shape[2], device=q_full.device)[None, :] < seq_lens[:, None]  # [B, S]
-    o = F.scaled_dot_product_attention(
-        q_full[:, None], ctx, ctx[..., :kv_lora_rank], attn_mask=mask[:, None, None, :], scale=scale
-    )  # [B, 1, Hq, L]
-    return o[:, 0]

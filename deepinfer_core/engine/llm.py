@@ -12,7 +12,8 @@ from deepinfer_core.outputs import RequestOutput
 from deepinfer_core.sampling_params import SamplingParams
 
 PromptType = Union[str, list[int], dict]
-"""A text, a list of token ids, or {"prompt": str} / {"prompt_token_ids": [...]}."""
+"""A text, a list of token ids, or {"prompt": str} / {"prompt_token_ids": [...]}, a dict optionally
+with "multi_modal_data": {"image": image or list of images} (one per image placeholder)."""
 
 
 class LLM:
@@ -47,7 +48,8 @@ class LLM:
             for prompt, p in zip(prompts, params):
                 rid = f"offline-{next(self._ids)}"
                 text, token_ids = _split_prompt(prompt)
-                self.engine.add_request(rid, prompt=text, params=p, prompt_token_ids=token_ids)
+                mm = prompt.get("multi_modal_data") if isinstance(prompt, dict) else None
+                self.engine.add_request(rid, prompt=text, params=p, prompt_token_ids=token_ids, multi_modal_data=mm)
                 ids.append(rid)
         except Exception:
             for rid in ids:
@@ -58,10 +60,14 @@ class LLM:
     def chat(
         self, messages: list[dict], sampling_params: Optional[SamplingParams] = None, **kwargs
     ) -> list[RequestOutput]:
-        """Apply the tokenizer's chat template to one conversation and generate."""
+        """Apply the tokenizer's chat template to one conversation and generate. Image parts
+        ({"type": "image", "image": ...} or {"type": "image_url", "image_url": {"url": ...}}) become
+        the template's image placeholders and the request's images."""
         text = self.engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **kwargs)
         ids = self.engine.tokenizer.encode(text, add_special_tokens=False)
-        return self.generate([ids], sampling_params)
+        images = _images_in(messages)
+        prompt = {"prompt_token_ids": ids, "multi_modal_data": {"image": images}} if images else ids
+        return self.generate([prompt], sampling_params)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         done: dict[str, RequestOutput] = {}
@@ -79,6 +85,20 @@ class LLM:
         if bar is not None:
             bar.close()
         return [done[rid] for rid in ids]
+
+
+def _images_in(messages: list[dict]) -> list:
+    """The images of a chat's content parts, in order."""
+    images = []
+    for message in messages:
+        content = message.get("content")
+        for part in content if isinstance(content, list) else []:
+            if part.get("type") == "image":
+                images.append(part["image"])
+            elif part.get("type") == "image_url":
+                url = part["image_url"]
+                images.append(url["url"] if isinstance(url, dict) else url)
+    return images
 
 
 def _split_prompt(prompt: PromptType) -> tuple[Optional[str], Optional[list[int]]]:

@@ -43,6 +43,7 @@ class LLMEngine:
         self.zero_overhead_scheduling = envs.DEEPINFER_ZERO_OVERHEAD_SCHEDULING
         self.tokenizer = tokenizer if tokenizer is not None else self._load_tokenizer()
         self.worker = Worker(config)
+        self.mm_processor = self._build_mm_processor()
         self.requests: dict[str, RequestState] = {}
         self._seq_ids = itertools.count()
         self.copy_state_event: Optional[DeviceEvent] = None
@@ -82,15 +83,19 @@ class LLMEngine:
         prompt_token_ids: Optional[list[int]] = None,
         arrival_time: Optional[float] = None,
         enqueue: bool = True,
+        multi_modal_data: Optional[dict] = None,
     ) -> Sequence:
         """Admit a request. With `enqueue=False` the sequence is built but not queued
-        (a CE enqueues it once its KV has arrived; rejecting before that needs no rollback)."""
+        (a CE enqueues it once its KV has arrived; rejecting before that needs no rollback).
+        `multi_modal_data`: {"image": image(s)} or {"image_embeds": ...}, one per placeholder token."""
         params = params or SamplingParams()
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         ids = self._prompt_ids(prompt, prompt_token_ids)
+        ids, images = self._image_inputs(ids, multi_modal_data, computes_prompt=enqueue)
         params = self._resolve_params(params, len(ids))
         seq = Sequence(next(self._seq_ids), request_id, ids, params, eos_token_id=self._eos_id())
+        seq.mm_placeholders = images
         if arrival_time is not None:
             seq.arrival_time = arrival_time
         state = RequestState(request_id, prompt, ids, params, seqs=[seq])
@@ -123,6 +128,33 @@ class LLMEngine:
                 f"the prompt has {len(ids)} tokens; max_model_len is {limit} (prompt + at least one output token)"
             )
         return ids
+
+    def _build_mm_processor(self):
+        """The image processor of a multimodal model; none on roles without a multimodal pool."""
+        if not envs.DEEPINFER_USE_MULTIMODAL_POOL or not hasattr(self.worker.model, "encode_images"):
+            return None
+        from deepinfer_core.multimodal.processor import MultiModalProcessor
+
+        return MultiModalProcessor.for_model(self.worker.model, self.config.model.path, self.worker.device)
+
+    def _image_inputs(
+        self, ids: list[int], multi_modal_data: Optional[dict], computes_prompt: bool
+    ) -> tuple[list[int], list]:
+        """(prompt ids with image placeholders expanded, the images bound to their positions).
+        A sequence whose prompt KV arrives from elsewhere (`computes_prompt=False`) needs no images."""
+        if self.mm_processor is None:
+            if multi_modal_data:
+                raise ValueError(f"engine {self.name} takes no images (text-only model, or no multimodal pool)")
+            return ids, []
+        if not multi_modal_data:
+            if computes_prompt:
+                self.mm_processor.check_text_only(ids)
+            return ids, []
+        ids, images = self.mm_processor.process(ids, multi_modal_data)
+        limit = self.config.scheduler.max_model_len
+        if len(ids) >= limit:
+            raise ValueError(f"the prompt has {len(ids)} tokens with its images expanded; max_model_len is {limit}")
+        return ids, images
 
     def _resolve_params(self, params: SamplingParams, prompt_len: int) -> SamplingParams:
         room = self.config.scheduler.max_model_len - prompt_len

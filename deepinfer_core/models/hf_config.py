@@ -36,10 +36,21 @@ def load_hf_config(path: str) -> dict[str, Any]:
     return normalize_hf_config(config)
 
 
+# settings the engine reads from the top level, lifted from a multimodal config's `text_config`
+_TEXT_KEYS = ("vocab_size", "max_position_embeddings", "bos_token_id", "eos_token_id", "rope_scaling")
+
+
 def normalize_hf_config(config: dict[str, Any]) -> dict[str, Any]:
-    """A copy of `config` with defaults filled in; idempotent. Configs without attention heads
-    (e.g. a multimodal wrapper) are returned unchanged apart from the copy."""
+    """A copy of `config` with defaults filled in; idempotent. A multimodal wrapper (a config with
+    a `text_config`) gets its text config normalised and the text settings the engine reads
+    (vocabulary, context length, special tokens) copied to the top level where it lacks them."""
     config = dict(config)
+    if isinstance(config.get("text_config"), dict):
+        text = normalize_hf_config(config["text_config"])
+        config["text_config"] = text
+        for key in _TEXT_KEYS:
+            if config.get(key) is None and text.get(key) is not None:
+                config[key] = text[key]
     heads = config.get("num_attention_heads")
     if heads is None:
         return config

@@ -12,7 +12,7 @@ name lookup and weight packing (if any) is applied from outside.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,6 +21,7 @@ from torch import nn
 
 from deepinfer_core.models.hf_config import normalize_hf_config
 from deepinfer_core.models.layers.attention import Attention, AttentionMetadata
+from deepinfer_core.models.layers.decoder import DecoderLayer
 from deepinfer_core.models.layers.mlp import SwiGLUMLP
 from deepinfer_core.models.layers.norm import RMSNorm
 from deepinfer_core.models.layers.rotary import apply_rotary, get_rope
@@ -33,7 +34,7 @@ def active_sliding_window(hf_config: dict[str, Any]) -> int | None:
         return None
     if "sliding_attention" in (hf_config.get("layer_types") or []):
         return window
-    if hf_config.get("model_type") == "mistral":
+    if hf_config.get("model_type") in ("mistral", "mixtral"):
         return window
     return window if hf_config.get("use_sliding_window") else None
 
@@ -75,7 +76,7 @@ class LlamaArgs:
             qkv_bias=True if model_type == "qwen2" else attention_bias,
             o_bias=False if model_type == "qwen2" else attention_bias,
             mlp_bias=bool(cfg.get("mlp_bias", False)),
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in ("qwen3", "qwen3_moe"),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             sliding_window=active_sliding_window(cfg),
         )
@@ -114,36 +115,23 @@ class LlamaAttention(nn.Module):
         return self.o_proj(o.reshape(T, self.num_heads * self.head_dim))
 
 
-class LlamaDecoderLayer(nn.Module):
-    def __init__(self, args: LlamaArgs, dtype: torch.dtype):
-        super().__init__()
-        self.self_attn = LlamaAttention(args, dtype)
-        self.mlp = SwiGLUMLP(args.hidden_size, args.intermediate_size, args.mlp_bias, args.hidden_act, dtype)
-        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype=dtype)
-        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype=dtype)
+# layer index -> that layer's feed-forward block, or None for the dense SwiGLU MLP
+MakeMLP = Callable[[int], "nn.Module | None"]
 
-    def forward(
-        self,
-        x: torch.Tensor,  # [T, H]: the previous layer's output
-        residual: torch.Tensor | None,  # [T, H]: the residual stream before that output
-        rope: tuple[torch.Tensor, torch.Tensor],
-        kv_cache: torch.Tensor,
-        meta: AttentionMetadata,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual, x = x, self.input_layernorm(x)
-        else:
-            x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(x, rope, kv_cache, meta)
-        x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
+
+class LlamaDecoderLayer(DecoderLayer):
+    def __init__(self, args: LlamaArgs, dtype: torch.dtype, mlp: nn.Module | None = None):
+        if mlp is None:
+            mlp = SwiGLUMLP(args.hidden_size, args.intermediate_size, args.mlp_bias, args.hidden_act, dtype)
+        super().__init__(LlamaAttention(args, dtype), mlp, args.hidden_size, args.rms_norm_eps, dtype)
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, args: LlamaArgs, hf_config: dict[str, Any], dtype: torch.dtype):
+    def __init__(self, args: LlamaArgs, hf_config: dict[str, Any], dtype: torch.dtype, make_mlp: MakeMLP | None = None):
         super().__init__()
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size, dtype=dtype)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(args, dtype) for _ in range(args.num_layers))
+        make_mlp = make_mlp or (lambda i: None)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(args, dtype, make_mlp(i)) for i in range(args.num_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype=dtype)
         self.rotary_emb = get_rope(hf_config, args.head_dim)
 
@@ -153,8 +141,9 @@ class LlamaModel(nn.Module):
         positions: torch.Tensor,  # [T] int64
         kv_caches: list[torch.Tensor],  # one [num_blocks, 2, block_size, Hkv, D] per layer
         meta: AttentionMetadata,
+        inputs_embeds: torch.Tensor | None = None,  # [T, H]: replaces the token embeddings (images)
     ) -> torch.Tensor:  # [T, H]
-        x = self.embed_tokens(input_ids)  # x: [T, H]
+        x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds  # x: [T, H]
         rope = self.rotary_emb(positions)
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
@@ -166,11 +155,11 @@ class LlamaModel(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """Llama / Mistral / Qwen2 / Qwen3 causal LM over a paged KV cache."""
 
-    def __init__(self, hf_config: dict[str, Any], dtype: torch.dtype):
+    def __init__(self, hf_config: dict[str, Any], dtype: torch.dtype, make_mlp: MakeMLP | None = None):
         super().__init__()
         hf_config = normalize_hf_config(hf_config)
         self.args = LlamaArgs.from_hf(hf_config)
-        self.model = LlamaModel(self.args, hf_config, dtype)
+        self.model = LlamaModel(self.args, hf_config, dtype, make_mlp)
         self.lm_head = nn.Linear(self.args.hidden_size, self.args.vocab_size, bias=False, dtype=dtype)
         if self.args.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -184,8 +173,12 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,  # [T] int64
         kv_caches: list[torch.Tensor],
         attn_meta: AttentionMetadata,
+        inputs_embeds: torch.Tensor | None = None,  # [T, H]
     ) -> torch.Tensor:  # [T, H]
-        return self.model(input_ids, positions, kv_caches, attn_meta)
+        return self.model(input_ids, positions, kv_caches, attn_meta, inputs_embeds)
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, H]
+        return self.model.embed_tokens(input_ids)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, H] -> [N, V] fp32
         return self.lm_head(hidden).float()

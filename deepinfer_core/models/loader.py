@@ -13,7 +13,11 @@ Optional model attributes the loader honours:
     `expected_weight_names()`: checkpoint names that must be loaded, for models whose parameter
         names differ from checkpoint names (default: the parameter names);
     `max_positions`: longest context the position encoding supports;
-    `sliding_window`: an active attention window, which this engine does not implement.
+    `sliding_window`: an active attention window, which this engine does not implement;
+    `holds_weight(name)` (vision encoders): whether a checkpoint tensor is theirs, so
+        `load_vision_encoder` reads only the vision tower and projector of a multimodal checkpoint.
+
+Quantized checkpoints (a `quantization_config`, e.g. DeepSeek-V3's FP8 release) are refused.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from tqdm import tqdm
 
 from deepinfer_core.config import ModelConfig
 from deepinfer_core.models.hf_config import normalize_hf_config
-from deepinfer_core.models.registry import get_model_class
+from deepinfer_core.models.registry import get_model_class, get_vision_encoder_class
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -49,6 +53,7 @@ def load_model(model_config: ModelConfig, device: str | torch.device) -> nn.Modu
             or a `max_model_len` the model cannot serve.
     """
     hf_config = normalize_hf_config(model_config.hf_config)
+    check_not_quantized(hf_config)
     model_cls = get_model_class(hf_config)
     shards = None if model_config.builtin else read_tensor_names(weight_files(model_config.path))
     with torch.device(device):
@@ -59,6 +64,37 @@ def load_model(model_config: ModelConfig, device: str | torch.device) -> nn.Modu
     else:
         load_checkpoint(model, shards)
     return model.eval()
+
+
+def load_vision_encoder(model_config: ModelConfig, device: str | torch.device) -> nn.Module:
+    """The vision encoder alone (tower + projector, `encode_images`) of a multimodal checkpoint,
+    for a vision-encoder process; the language model's tensors are skipped unread.
+
+    Raises:
+        ValueError: the architecture has no vision encoder, or the checkpoint's vision tensors are
+            incomplete.
+    """
+    hf_config = normalize_hf_config(model_config.hf_config)
+    encoder_cls = get_vision_encoder_class(hf_config)
+    if model_config.builtin:  # the encoder's weights are drawn with the whole model's, in its order
+        return load_model(model_config, device).eval()
+    shards = read_tensor_names(weight_files(model_config.path))
+    with torch.device(device):
+        encoder = encoder_cls(hf_config, model_config.dtype)
+    held = {f: [n for n in names if encoder.holds_weight(n)] for f, names in shards.items()}
+    load_checkpoint(encoder, {f: names for f, names in held.items() if names})
+    return encoder.eval()
+
+
+def check_not_quantized(hf_config: dict) -> None:
+    """ValueError for checkpoints stored quantized (e.g. DeepSeek-V3's FP8 release)."""
+    quant = hf_config.get("quantization_config")
+    if quant:
+        method = quant.get("quant_method", "unknown") if isinstance(quant, dict) else quant
+        raise ValueError(
+            f"quantized checkpoints are not supported (quantization_config.quant_method={method!r}); "
+            "convert the weights to bf16/fp16 first"
+        )
 
 
 def weight_files(path: str) -> list[str]:

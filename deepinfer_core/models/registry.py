@@ -12,6 +12,9 @@ from typing import Any
 from torch import nn
 
 _LLAMA = ("deepinfer_core.models.llama", "LlamaForCausalLM")
+_DEEPSEEK = ("deepinfer_core.models.deepseek_v3", "DeepseekV3ForCausalLM")
+_MOE = ("deepinfer_core.models.qwen3_moe", "Qwen3MoeForCausalLM")
+_LLAVA = ("deepinfer_core.models.llava", "LlavaForConditionalGeneration")
 
 # HF architecture name -> (module path, class name)
 _MODELS: dict[str, tuple[str, str]] = {
@@ -19,6 +22,16 @@ _MODELS: dict[str, tuple[str, str]] = {
     "MistralForCausalLM": _LLAMA,
     "Qwen2ForCausalLM": _LLAMA,
     "Qwen3ForCausalLM": _LLAMA,
+    "DeepseekV2ForCausalLM": _DEEPSEEK,
+    "DeepseekV3ForCausalLM": _DEEPSEEK,
+    "Qwen3MoeForCausalLM": _MOE,
+    "MixtralForCausalLM": _MOE,
+    "LlavaForConditionalGeneration": _LLAVA,
+}
+
+# HF architecture name -> its vision encoder alone (what a vision-encoder process loads)
+_VISION_ENCODERS: dict[str, tuple[str, str]] = {
+    "LlavaForConditionalGeneration": ("deepinfer_core.models.llava", "LlavaVisionEncoder"),
 }
 
 # config `model_type` -> architecture, for configs without an `architectures` list
@@ -27,6 +40,11 @@ _MODEL_TYPES: dict[str, str] = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "deepseek_v2": "DeepseekV2ForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "llava": "LlavaForConditionalGeneration",
 }
 
 
@@ -56,4 +74,20 @@ def get_model_class(hf_config: dict[str, Any]) -> type[nn.Module]:
     raise ValueError(
         f"unsupported model architecture {asked} (model_type={hf_config.get('model_type')!r}); "
         f"supported architectures: {', '.join(supported_architectures())}"
+    )
+
+
+def get_vision_encoder_class(hf_config: dict[str, Any]) -> type[nn.Module]:
+    """The vision encoder (tower + projector) of a multimodal architecture.
+
+    Raises:
+        ValueError: the architecture has no vision encoder here.
+    """
+    for arch in _architectures(hf_config):
+        if arch in _VISION_ENCODERS:
+            module_path, class_name = _VISION_ENCODERS[arch]
+            return getattr(importlib.import_module(module_path), class_name)
+    raise ValueError(
+        f"model architecture {hf_config.get('architectures') or hf_config.get('model_type')} has no vision encoder; "
+        f"multimodal architectures: {', '.join(sorted(_VISION_ENCODERS))}"
     )

@@ -87,7 +87,7 @@ class BlockManager:
         """Hashes of the full blocks before the last token (which always needs computing)."""
         hashes, parent = [], None
         for i in range((len(seq) - 1) // self.block_size):
-            parent = block_hash(parent, seq.token_slice(i * self.block_size, (i + 1) * self.block_size))
+            parent = block_hash(parent, seq.hash_slice(i * self.block_size, (i + 1) * self.block_size))
             hashes.append(parent)
         return hashes
 
@@ -148,7 +148,7 @@ class BlockManager:
         full = seq.num_cached_tokens // self.block_size
         for i in range(len(seq.block_hashes), full):
             parent = seq.block_hashes[-1] if seq.block_hashes else None
-            h = block_hash(parent, seq.token_slice(i * self.block_size, (i + 1) * self.block_size))
+            h = block_hash(parent, seq.hash_slice(i * self.block_size, (i + 1) * self.block_size))
             seq.block_hashes.append(h)
             block = seq.block_table[i]
             if h not in self._hash_to_block and block not in self._block_to_hash:

@@ -7,10 +7,12 @@ fresh prompts, chunks, prompts after prefix hits and decode tokens are all the s
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
 from deepinfer_core.models.layers.attention import AttentionMetadata
+from deepinfer_core.multimodal.inputs import image_rows
 from deepinfer_core.sequence import Sequence
 
 
@@ -22,6 +24,8 @@ class ModelInput:
     sample_indices: list[int]  # row of the hidden states each sampling sequence samples from
     prompt_logprob_spans: list[tuple[int, int, int, int]]
     """(batch index, first row, number of rows, first position) for prompt-logprob rows."""
+    mm_rows: Optional[torch.Tensor] = None  # [P] int64: rows fed image embeddings instead of tokens
+    mm_embeds: Optional[torch.Tensor] = None  # [P, H]: the embeddings of those rows
 
 
 def build_model_input(
@@ -37,11 +41,16 @@ def build_model_input(
     sample_indices: list[int] = []
     spans: list[tuple[int, int, int, int]] = []
     seq_lens, query_lens = [], []
+    mm_rows: list[int] = []
+    mm_embeds: list[torch.Tensor] = []
     for i, (seq, n) in enumerate(zip(seqs, num_new_tokens)):
         start, end = seq.num_cached_tokens, seq.num_cached_tokens + n
         row0 = len(tokens)
         tokens += seq.token_slice(start, end)
         positions += range(start, end)
+        for pos, embeds in image_rows(seq.mm_placeholders, start, end):
+            mm_rows += range(row0 + pos - start, row0 + pos - start + embeds.shape[0])
+            mm_embeds.append(embeds)
         table = seq.block_table
         slots += [table[p // block_size] * block_size + p % block_size for p in range(start, end)]
         query_lens.append(n)
@@ -74,6 +83,8 @@ def build_model_input(
         attn_meta=meta,
         sample_indices=sample_indices,
         prompt_logprob_spans=spans,
+        mm_rows=torch.tensor(mm_rows, dtype=torch.int64, device=device) if mm_rows else None,
+        mm_embeds=torch.cat(mm_embeds).to(device) if mm_embeds else None,
     )
 
 

@@ -86,6 +86,10 @@ class ModelRunner:
             self.forward_event.synchronize()
 
     def _forward(self, inp: ModelInput) -> torch.Tensor:
+        if inp.mm_embeds is not None:  # image positions take their embeddings, not their tokens'
+            embeds = self.model.embed_input_ids(inp.input_ids)  # [T, H]
+            embeds[inp.mm_rows] = inp.mm_embeds.to(embeds.dtype)
+            return self.model(inp.input_ids, inp.positions, self.cache.kv_caches, inp.attn_meta, inputs_embeds=embeds)
         if self.graphs is not None and inp.attn_meta.is_decode_only and self.graphs.can_run(inp):
             return self.graphs.run(inp)
         return self.model(inp.input_ids, inp.positions, self.cache.kv_caches, inp.attn_meta)

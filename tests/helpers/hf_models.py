@@ -26,6 +26,10 @@ FAMILIES = {
     "mistral": ("MistralConfig", "MistralForCausalLM"),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM"),
+    "deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM"),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
 }
 
 TINY = dict(
@@ -39,6 +43,49 @@ TINY = dict(
     rms_norm_eps=1e-6,
     tie_word_embeddings=False,
 )
+# MLA + DeepSeekMoE at toy sizes: 3 layers (1 dense), 8 routed experts in 4 groups, 1 shared
+TINY_MLA = dict(
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    kv_lora_rank=16,
+    q_lora_rank=24,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=8,
+    v_head_dim=16,
+    moe_intermediate_size=32,
+    n_routed_experts=8,
+    n_shared_experts=1,
+    num_experts_per_tok=2,
+    n_group=4,
+    topk_group=2,
+    first_k_dense_replace=1,
+    num_hidden_layers=3,
+)
+FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
+    "deepseek_v3": TINY_MLA,
+    # V2-Lite style: no q_lora_rank, softmax routing limited to the best groups by max score
+    "deepseek_v2": dict(TINY_MLA, q_lora_rank=None, topk_method="group_limited_greedy", routed_scaling_factor=1.5),
+    "qwen3_moe": dict(
+        moe_intermediate_size=32,
+        num_experts=8,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        num_hidden_layers=3,
+        mlp_only_layers=[1],
+    ),
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=None),
+}
+# YaRN as DeepSeek-V3 configures it (mscale == mscale_all_dim: attention factor 1, softmax scale grows)
+DEEPSEEK_YARN = dict(
+    rope_type="yarn",
+    rope_theta=10000.0,
+    factor=4.0,
+    original_max_position_embeddings=128,
+    beta_fast=32,
+    beta_slow=1,
+    mscale=0.707,
+    mscale_all_dim=0.707,
+)
 # rope scaling for a tiny model: the llama3 bands fall inside head_dim=16's wavelengths
 LLAMA3_ROPE = dict(
     rope_type="llama3",
@@ -51,19 +98,22 @@ LLAMA3_ROPE = dict(
 
 
 def tiny_hf_config(family: str, **overrides: Any) -> transformers.PreTrainedConfig:
-    """A small config of `family` ("llama", "mistral", "qwen2", "qwen3"); overrides win."""
+    """A small config of `family` (a key of FAMILIES); overrides win."""
     config_cls = getattr(transformers, FAMILIES[family][0])
-    kwargs = {**TINY, **overrides}
+    kwargs = {**TINY, **FAMILY_DEFAULTS.get(family, {}), **overrides}
     if family == "mistral":
         kwargs.setdefault("sliding_window", None)
     return config_cls(**kwargs)
 
 
 def randomize_(model: torch.nn.Module, seed: int, std: float = 0.1) -> None:
-    """Redraw every parameter: normal(0, std) matrices, 1 + noise norms, noise biases."""
+    """Redraw every parameter: normal(0, std) matrices, 1 + noise norms, noise biases (MoE routers'
+    score-correction biases too, which HF keeps as buffers)."""
     gen = torch.Generator().manual_seed(seed)
+    tensors = list(model.named_parameters())
+    tensors += [(n, b) for n, b in model.named_buffers() if n.endswith("e_score_correction_bias")]
     with torch.no_grad():
-        for name, param in model.named_parameters():
+        for name, param in tensors:
             noise = torch.randn(param.shape, generator=gen)
             if name.endswith("bias"):
                 param.copy_(std * noise)
@@ -93,6 +143,35 @@ def save_hf_checkpoint(
     model = build_hf_model(family, seed, **overrides)
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(directory, safe_serialization=True, **kwargs)
+    return model
+
+
+TINY_VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=2, image_size=32,
+                   patch_size=8)  # fmt: skip
+VISION_CONFIGS = {"clip": "CLIPVisionConfig", "siglip": "SiglipVisionConfig"}
+IMAGE_TOKEN_ID = 250  # inside TINY's 256-token vocabulary
+
+
+def build_hf_llava(
+    text_family: str = "llama", vision: str = "clip", seed: int = 0, text: dict | None = None, **overrides: Any
+) -> transformers.PreTrainedModel:
+    """A random tiny LLaVA (tower of `vision`: "clip" or "siglip", language model of `text_family`)."""
+    vision_config = getattr(transformers, VISION_CONFIGS[vision])(**TINY_VISION)
+    kwargs = dict(image_token_index=IMAGE_TOKEN_ID, image_seq_length=16)
+    if vision == "siglip":
+        kwargs.update(vision_feature_select_strategy="full", vision_feature_layer=-1)
+    config = transformers.LlavaConfig(
+        vision_config=vision_config, text_config=tiny_hf_config(text_family, **(text or {})), **{**kwargs, **overrides}
+    )
+    model = transformers.LlavaForConditionalGeneration(config)
+    randomize_(model, seed)
+    return model.eval()
+
+
+def save_hf_llava(directory: str | os.PathLike, **kwargs: Any) -> transformers.PreTrainedModel:
+    """`build_hf_llava(**kwargs)` saved with `save_pretrained`; returns the HF model."""
+    model = build_hf_llava(**kwargs)
+    model.save_pretrained(directory, safe_serialization=True)
     return model
 
 

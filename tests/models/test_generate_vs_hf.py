@@ -1,7 +1,10 @@
 """End-to-end numerics: greedy generation through `LLM` equals transformers' `generate`
-on identical random weights (fp32, token for token), and prompt logprobs agree
-(fp32: atol 1e-4; bf16: atol 0.1 nats against transformers run in bf16)."""
+on identical random weights (fp32, token for token), and prompt logprobs and the final
+position's top logprobs agree (fp32: atol 1e-4; bf16: atol 0.1 nats against transformers run
+in bf16). Families: the dense Llama family and the MoE ones (DeepSeek-V3/V2 with MLA,
+Qwen3-MoE, Mixtral)."""
 
+import copy
 import shutil
 
 import pytest
@@ -11,7 +14,7 @@ from deepinfer_core import LLM, SamplingParams
 from deepinfer_core.builtin import TINY_MODEL_DIR
 from tests.helpers.hf_models import save_hf_checkpoint
 
-FAMILIES = ["llama", "qwen2", "qwen3"]
+FAMILIES = ["llama", "qwen2", "qwen3", "deepseek_v3", "deepseek_v2", "qwen3_moe", "mixtral"]
 MAX_NEW = 10
 
 
@@ -79,12 +82,9 @@ def test_greedy_with_prefix_cache_hits_equals_transformers(checkpoint):
 
 
 def _hf_prompt_logprobs(hf, prompt, dtype):
-    model = hf.to(dtype)
-    try:
-        with torch.inference_mode():
-            logits = model(torch.tensor([prompt])).logits[0].float()
-    finally:
-        hf.to(torch.float32)
+    model = copy.deepcopy(hf).to(dtype)  # a round trip through bf16 would round the shared fp32 weights
+    with torch.inference_mode():
+        logits = model(torch.tensor([prompt])).logits[0].float()
     lp = torch.log_softmax(logits, dim=-1)
     return [lp[i - 1, prompt[i]].item() for i in range(1, len(prompt))]
 
@@ -120,3 +120,20 @@ def test_preemption_with_recompute_finishes_every_request_correctly(checkpoint, 
     assert [o.outputs[0].token_ids for o in outs] == references
     assert all(o.outputs[0].finish_reason == "length" for o in outs)
     assert llm.engine.scheduler.block_manager.num_free_blocks == 12
+
+
+def test_final_position_logits_match_transformers(checkpoint):
+    """Top-5 logprobs of the first sampled token (the last prompt position's logits), each prompt
+    of a mixed-length batch, against HF's full-sequence logits: fp32, atol 1e-4."""
+    _, path, hf = checkpoint
+    llm = LLM(path, dtype="float32", max_model_len=256, num_gpu_blocks=128, block_size=8)
+    prompts = _prompts()
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], _greedy(logprobs=5))
+    for prompt, out in zip(prompts, outs):
+        with torch.inference_mode():
+            ref = torch.log_softmax(hf(torch.tensor([prompt])).logits[0, -1].float(), dim=-1)
+        top = out.outputs[0].logprobs[0]
+        assert len(top) >= 5
+        for token, lp in top.items():
+            assert abs(lp - ref[token].item()) < 1e-4
+        assert set(torch.topk(ref, 5).indices.tolist()) <= set(top)

@@ -184,9 +184,9 @@ def test_builtin_weights_are_deterministic() -> None:
     other = load_model(_builtin_config(seed=1), "cpu").state_dict()
     assert first.keys() == second.keys()
     assert all(torch.equal(first[k], second[k]) for k in first)
-    emb = "model.embed_tokens.weight"
+    emb = "language_model.model.embed_tokens.weight"
     assert not torch.equal(first[emb], other[emb])
-    assert torch.equal(first["model.norm.weight"], torch.ones(128))
+    assert torch.equal(first["language_model.model.norm.weight"], torch.ones(128))
     assert first[emb].std().item() == pytest.approx(0.08, rel=0.05)  # the config's initializer_range
 
 

@@ -81,7 +81,8 @@ def _llama3(params: dict[str, Any], dim: int) -> torch.Tensor:
     return torch.where(is_medium, smoothed, scaled)
 
 
-def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude correction for a context stretched `scale` times."""
     return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
 
@@ -90,8 +91,8 @@ def _yarn_attention_factor(params: dict[str, Any], factor: float) -> float:
         return float(params["attention_factor"])
     mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
     if mscale and mscale_all_dim:
-        return _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
-    return _yarn_mscale(factor)
+        return yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)
+    return yarn_mscale(factor)
 
 
 def _yarn_correction_range(params: dict[str, Any], dim: int) -> tuple[float, float]:

@@ -9,8 +9,9 @@ install:
 	@$(PYTHON) -c "import torch" 2>/dev/null || $(PIP) install --quiet "torch==2.13.0"
 	$(PIP) install --quiet -e ".[dev]"
 
+# One math thread per process: the suite runs several engine processes at once on small CPUs.
 test: install
-	$(PYTHON) -m pytest -q tests
+	OMP_NUM_THREADS=1 $(PYTHON) -m pytest -q tests
 
 lint:
 	$(PYTHON) -m ruff check deepinfer_core kernels services tests benchmarks

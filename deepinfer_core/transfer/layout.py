@@ -71,4 +71,7 @@ def _model_identity(hf_config: dict) -> dict:
         "rope_theta",
         "rope_scaling",
     )
-    return {k: hf_config.get(k) for k in keys if k in hf_config}
+    identity = {k: hf_config.get(k) for k in keys if k in hf_config}
+    if isinstance(hf_config.get("text_config"), dict):  # multimodal wrappers: the language model decides the KV
+        identity["text_config"] = _model_identity(hf_config["text_config"])
+    return identity

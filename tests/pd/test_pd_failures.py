@@ -129,3 +129,15 @@ def test_bad_target_size_is_refused(ce):
     assert not pe.requests
     ce.call("abort", "short")
     assert wait_free_blocks(ce, N) == N
+
+
+def test_fingerprint_covers_the_language_model_inside_a_multimodal_config():
+    import torch
+
+    from deepinfer_core.transfer.layout import KVLayout
+
+    buf = torch.zeros(2, 4, 8, 16)
+    base = {"architectures": ["LlavaForConditionalGeneration"], "text_config": {"hidden_size": 128, "kv_lora_rank": 32}}
+    other = {**base, "text_config": {"hidden_size": 128, "kv_lora_rank": 64}}
+    assert KVLayout.of(base, buf, 8).fingerprint != KVLayout.of(other, buf, 8).fingerprint
+    assert KVLayout.of(base, buf, 8).fingerprint == KVLayout.of(dict(base), buf, 8).fingerprint

@@ -109,9 +109,16 @@ class Bench:
                  "torch ref", lambda: mla_decode_attention_ref(*args))  # fmt: skip
         if self.sweeps("mla_decode_attention"):
             cfgs = [c for c in impl.CANDIDATES if (c["BLOCK_H"] <= 16) == (H <= 16)]
-            for cfg, splits in itertools.product(cfgs, (1, 2) if H > 16 else (4, 8)):
+            ref = mla_decode_attention_ref(*args).float()
+            for cfg, splits in itertools.product(cfgs, (1, 2, 4) if H > 16 else (4, 8)):
                 fn = partial(impl.mla_decode_attention, *args, num_splits=splits, config=cfg)
-                self.add("mla_decode_attention", shape, fn, nbytes, flops, tag=f"sweep {cfg} splits={splits}")
+                try:  # a tile config that compiles must also be right
+                    err = (fn().float() - ref).abs().max().item()
+                except Exception as exc:
+                    print(f"mla_decode_attention {shape} {cfg}: {type(exc).__name__}: {str(exc)[:200]}")
+                    continue
+                tag = f"sweep {cfg} splits={splits} err={err:.1e}"
+                self.add("mla_decode_attention", shape, fn, nbytes, flops, tag=tag)
 
     def prefill(self, cached: list[int], new: list[int], hq: int = 32, hkv: int = 8, d: int = 128, page: int = 16):
         seq_lens = [c + n for c, n in zip(cached, new)]

@@ -1,0 +1,153 @@
+"""Raw NIXL WRITE bandwidth between two processes, by descriptor split and API path, beside a
+plain copy of the same bytes — the experiment behind the transfer plane's descriptor sizing.
+
+The initiator (this process) writes into a buffer registered by a second process, as a PE writes
+into a CE. Variants, all in one run:
+  * `init/<split>`: `initialize_xfer` with the payload cut into descriptors of `<split>` bytes
+    (`whole` = one descriptor per layer-sized run of `--run-mib`);
+  * `prep/<split>`: descriptor lists prepared once (`prep_xfer_dlist`) and a transfer made from
+    indices (`make_prepped_xfer`), the way a long-lived engine can address blocks.
+Columns: prepare = building the request, post = `transfer()`, wait = post to DONE, GB/s of
+the whole, and ratio = copy time / whole time.
+
+    python benchmarks/nixl_probe.py --src cuda:0 --dst cuda:1      # GPU0 -> GPU1 VRAM
+    python benchmarks/nixl_probe.py                                 # CPU DRAM -> DRAM
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import statistics
+import time
+
+import numpy as np
+import torch
+
+MiB = 2**20
+
+
+def _agent(name: str, num_threads: int = 0):
+    from nixl._api import nixl_agent, nixl_agent_config
+
+    return nixl_agent(name, nixl_agent_config(backends=["UCX"], num_threads=num_threads))
+
+
+def _target(device: str, nbytes: int, num_threads: int, conn) -> None:
+    buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    agent = _agent("probe-target", num_threads)
+    agent.register_memory(buf)
+    dev = torch.device(device)
+    conn.send((agent.get_agent_metadata(), buf.data_ptr(), dev.index or 0))
+    conn.recv()  # "done"
+
+
+def _sync(*devices: str) -> None:
+    for d in devices:
+        if d.startswith("cuda"):
+            torch.cuda.synchronize(d)
+
+
+def _descs(base: int, total: int, split: int, dev: int) -> np.ndarray:
+    offs = np.arange(0, total, split, dtype=np.uint64)
+    sizes = np.minimum(split, total - offs).astype(np.uint64)
+    return np.stack([base + offs, sizes, np.full_like(offs, dev)], axis=1)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--src", default="cpu")
+    ap.add_argument("--dst", default="cpu")
+    ap.add_argument("--sizes-mib", type=int, nargs="+", default=[64, 256, 1024])
+    ap.add_argument("--run-mib", type=int, default=64, help="bytes of one layer's coalesced run in the engine")
+    ap.add_argument("--splits-mib", type=float, nargs="+", default=[16, 4, 1])
+    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--num-threads", type=int, default=0, help="UCX workers of each agent (0: NIXL's default)")
+    ap.add_argument("--label", default="")
+    args = ap.parse_args()
+    total_max = max(args.sizes_mib) * MiB
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_target, args=(args.dst, total_max, args.num_threads, child), daemon=True)
+    proc.start()
+    meta, remote_base, remote_dev = parent.recv()
+    src = torch.empty(total_max, dtype=torch.uint8, device=args.src)
+    src.fill_(7)
+    agent = _agent("probe-initiator", args.num_threads)
+    agent.register_memory(src)
+    peer = agent.add_remote_agent(meta)
+    peer = peer.decode() if isinstance(peer, bytes) else peer
+    agent.make_connection(peer)
+    local_mem = "VRAM" if args.src.startswith("cuda") else "DRAM"
+    remote_mem = "VRAM" if args.dst.startswith("cuda") else "DRAM"
+    local_dev = torch.device(args.src).index or 0
+
+    def run_once(make) -> tuple[float, float, float]:
+        t0 = time.perf_counter()
+        handle = make()
+        t1 = time.perf_counter()
+        state = agent.transfer(handle)
+        t2 = time.perf_counter()
+        while state != "DONE":
+            state = agent.check_xfer_state(handle)
+            if state == "ERR":
+                raise RuntimeError("transfer failed")
+        t3 = time.perf_counter()
+        agent.release_xfer_handle(handle)
+        return t1 - t0, t2 - t1, t3 - t0
+
+    print(f"# {args.label} {args.src} -> {args.dst}", flush=True)
+    print(f"{'MiB':>6} {'variant':<16} {'descs':>6} {'prepare us':>10} {'post us':>8} {'total ms':>9} "
+          f"{'GB/s':>7} {'copy GB/s':>9} {'ratio':>6}")  # fmt: skip
+    dst_local = None
+    if args.dst.startswith("cuda") and args.src.startswith("cuda"):
+        dst_local = torch.empty(total_max, dtype=torch.uint8, device=args.dst)
+    for size_mib in args.sizes_mib:
+        total = size_mib * MiB
+        # reference: a plain copy of the same bytes (peer-to-peer on GPUs, memcpy on CPU)
+        ref_dst = dst_local if dst_local is not None else torch.empty(total_max, dtype=torch.uint8)
+        times = []
+        for _ in range(args.reps + 1):
+            _sync(args.src, args.dst)
+            t = time.perf_counter()
+            ref_dst[:total].copy_(src[:total])
+            _sync(args.src, args.dst)
+            times.append(time.perf_counter() - t)
+        copy_t = statistics.median(times[1:])
+        splits = [("whole", args.run_mib * MiB)] + [(f"{s:g}M", int(s * MiB)) for s in args.splits_mib]
+        for tag, split in splits:
+            split = min(split, total)
+            ld = _descs(src.data_ptr(), total, split, local_dev)
+            rd = _descs(remote_base, total, split, remote_dev)
+
+            def make_init(ld=ld, rd=rd):
+                return agent.initialize_xfer(
+                    "WRITE", agent.get_xfer_descs(ld, local_mem), agent.get_xfer_descs(rd, remote_mem), peer
+                )
+
+            lp = agent.prep_xfer_dlist("NIXL_INIT_AGENT", agent.get_xfer_descs(ld, local_mem))
+            rp = agent.prep_xfer_dlist(peer, agent.get_xfer_descs(rd, remote_mem))
+            idx = np.arange(len(ld))
+
+            def make_prep(lp=lp, rp=rp, idx=idx):
+                return agent.make_prepped_xfer("WRITE", lp, idx, rp, idx)
+
+            for name, make in ((f"init/{tag}", make_init), (f"prep/{tag}", make_prep)):
+                run_once(make)  # warm-up (first use of a region maps it on the peer)
+                runs = [run_once(make) for _ in range(args.reps)]
+                prep = statistics.median(r[0] for r in runs)
+                post = statistics.median(r[1] for r in runs)
+                tot = statistics.median(r[2] for r in runs)
+                print(
+                    f"{size_mib:>6} {name:<16} {len(ld):>6} {prep * 1e6:>10.0f} {post * 1e6:>8.0f} {tot * 1e3:>9.3f} "
+                    f"{total / tot / 1e9:>7.1f} {total / copy_t / 1e9:>9.1f} {copy_t / tot:>6.2f}",
+                    flush=True,
+                )
+            agent.release_dlist_handle(lp)
+            agent.release_dlist_handle(rp)
+    parent.send("done")
+    proc.join(timeout=10)
+
+
+if __name__ == "__main__":
+    main()

@@ -25,6 +25,8 @@ _DTYPES = {
     "bf16": torch.bfloat16,
 }
 
+LOAD_FORMATS = ("auto", "dummy")
+
 
 def parse_dtype(dtype: str | torch.dtype, device: str) -> torch.dtype:
     """'auto' means bf16 on CUDA and fp32 on CPU (CPU half-precision GEMMs are slow)."""
@@ -54,8 +56,13 @@ class ModelConfig:
     """True when `path` is the embedded tiny model (weights made from a fixed seed)."""
     tokenizer: Optional[str] = None
     """Tokenizer directory; None means `path`."""
+    load_format: str = "auto"
+    """"auto": weights from the checkpoint's safetensors files; "dummy": random weights drawn on the
+    device from `seed`, no weight file read (benchmarks at a real model's shapes)."""
 
     def __post_init__(self) -> None:
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"unknown load_format {self.load_format!r}; choose one of {', '.join(LOAD_FORMATS)}")
         limit = self.hf_config.get("max_position_embeddings")
         if self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")

@@ -29,6 +29,8 @@ class EngineArgs:
     """Tokenizer directory; defaults to `model`."""
     engine_type: EngineType = EngineType.NORMAL
     dtype: str = "auto"
+    load_format: str = "auto"
+    """"auto": the checkpoint's safetensors; "dummy": random weights made on the device (config.json only)."""
     device: str = "auto"
     """'auto' (CUDA when present, else CPU), 'cpu', 'cuda', 'cuda:N'."""
     seed: int = 0
@@ -90,6 +92,7 @@ class EngineArgs:
             seed=self.seed,
             builtin=self.model is None,
             tokenizer=self.tokenizer,
+            load_format=self.load_format,
         )
 
     def create_engine_config(self) -> EngineConfig:

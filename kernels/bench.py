@@ -4,6 +4,12 @@
     python -m kernels.bench                    # GPU: time the target shapes, print a table per kernel
     python -m kernels.bench --sweep [KERNEL..] # GPU: also time candidate tile configs / split counts
     python -m kernels.bench --json out.json    # write every number too
+    python -m kernels.bench --engine [--preset qwen3-30b-a3b|tiny] [--layers N] [--batch 64] [--context 4096]
+        [--prefill-tokens 8192] [--new-tokens 32] [--zos both|on|off] [--no-hf]
+                                               # a whole engine decode step (ZOS on/off: step time, GPU idle
+                                               # between steps, bytes touched / step time / copy bandwidth),
+                                               # a prefill, and tokens/s vs transformers generate on the same
+                                               # random weights (kernels/bench_engine.py; CPU: --preset tiny)
 
 Timings are medians of CUDA-event timings (`triton.testing.do_bench`, L2 flushed between runs).
 Floors: bytes that must move / measured copy bandwidth, FLOPs / measured bf16 matmul rate;
@@ -56,15 +62,27 @@ def _time(args: argparse.Namespace) -> int:
     return 0
 
 
+def _engine(args: argparse.Namespace) -> int:
+    from kernels.bench_engine import main as engine_main
+
+    return engine_main(args)
+
+
 def main(argv: list[str] | None = None) -> int:
+    from kernels.bench_engine import add_arguments as add_engine_arguments
+
     p = argparse.ArgumentParser(prog="python -m kernels.bench", description=__doc__.split("\n")[0])
+    p.add_argument("--engine", action="store_true", help="time whole engine steps (decode, prefill) and generate")
     p.add_argument("--check", action="store_true", help="compare every kernel with its reference")
     p.add_argument("--sweep", nargs="*", help="time the candidate tile configs too (of these kernels; none named: all)")
     p.add_argument("--only", nargs="*", help="kernel names to run (default: all)")
     p.add_argument("--seed", type=int, help="input seed for --check (default: random, printed)")
-    p.add_argument("--cpu", action="store_true", help="check on CPU even when a GPU is present")
+    p.add_argument("--cpu", action="store_true", help="check (or run --engine) on CPU even when a GPU is present")
     p.add_argument("--json", help="write the results to this file")
+    add_engine_arguments(p)
     args = p.parse_args(argv)
+    if args.engine:
+        return _engine(args)
     return _check(args) if args.check else _time(args)
 
 

@@ -4,7 +4,10 @@ Weights come from the checkpoint's safetensors files (one `model.safetensors`, o
 `model.safetensors.index.json` lists), read with `safe_open` one tensor at a time from
 memory-mapped files and copied straight into the parameters, so peak host memory stays near the
 model size rather than twice it. The built-in tiny model has no weight files: its weights are
-drawn from a seeded CPU generator, the same on every machine and every call.
+drawn from a seeded CPU generator, the same on every machine and every call. `load_format="dummy"`
+reads no weight file either: it draws random weights on the model's device from a seeded generator
+(vLLM's option of that name), so a benchmark can run a 60 GB model's shapes without writing it out;
+the values repeat for a seed on one kind of device, not across kinds.
 
 Every failure names its cause: a missing directory or weight file, a corrupt or truncated file,
 tensors the model needs but the checkpoint lacks, tensors the model does not use.
@@ -55,12 +58,16 @@ def load_model(model_config: ModelConfig, device: str | torch.device) -> nn.Modu
     hf_config = normalize_hf_config(model_config.hf_config)
     check_not_quantized(hf_config)
     model_cls = get_model_class(hf_config)
-    shards = None if model_config.builtin else read_tensor_names(weight_files(model_config.path))
+    dummy = model_config.load_format == "dummy"
+    shards = None if model_config.builtin or dummy else read_tensor_names(weight_files(model_config.path))
     with torch.device(device):
         model = model_cls(hf_config, model_config.dtype)
     check_context_limits(model, model_config)
-    if shards is None:
-        init_builtin_weights(model, model_config.seed, hf_config.get("initializer_range", 0.02))
+    std = hf_config.get("initializer_range", 0.02)
+    if dummy:
+        init_dummy_weights(model, model_config.seed, std)
+    elif shards is None:
+        init_builtin_weights(model, model_config.seed, std)
     else:
         load_checkpoint(model, shards)
     return model.eval()
@@ -78,6 +85,11 @@ def load_vision_encoder(model_config: ModelConfig, device: str | torch.device) -
     encoder_cls = get_vision_encoder_class(hf_config)
     if model_config.builtin:  # the encoder's weights are drawn with the whole model's, in its order
         return load_model(model_config, device).eval()
+    if model_config.load_format == "dummy":
+        with torch.device(device):
+            encoder = encoder_cls(hf_config, model_config.dtype)
+        init_dummy_weights(encoder, model_config.seed, hf_config.get("initializer_range", 0.02))
+        return encoder.eval()
     shards = read_tensor_names(weight_files(model_config.path))
     with torch.device(device):
         encoder = encoder_cls(hf_config, model_config.dtype)
@@ -203,6 +215,25 @@ def init_builtin_weights(model: nn.Module, seed: int, std: float) -> None:
                 param.fill_(1.0)
             else:
                 param.copy_(torch.empty(param.shape, device="cpu").normal_(0.0, std, generator=gen))
+
+
+def init_dummy_weights(model: nn.Module, seed: int, std: float) -> None:
+    """Random weights for `load_format="dummy"`: normal(0, std) matrices and embeddings, ones for
+    norms, zero biases, drawn in place on each parameter's device (a CUDA model's 30B parameters
+    take a second, not the minutes a CPU generator would). Repeatable for a seed on one device kind.
+    """
+    generators: dict[torch.device, torch.Generator] = {}
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("bias"):
+                param.zero_()
+            elif param.dim() == 1:
+                param.fill_(1.0)
+            else:
+                gen = generators.get(param.device)
+                if gen is None:
+                    gen = generators[param.device] = torch.Generator(device=param.device).manual_seed(seed)
+                param.normal_(0.0, std, generator=gen)
 
 
 def check_context_limits(model: nn.Module, model_config: ModelConfig) -> None:

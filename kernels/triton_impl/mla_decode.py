@@ -21,6 +21,46 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def _load_rows(row, offs, n: tl.constexpr, n_pad: tl.constexpr, nmask, MASKED: tl.constexpr):
+    """[BLOCK_N, n_pad] of the cached rows at `row + offs`; predicates only where needed."""
+    if MASKED:  # zeros past the end: p is 0 there, and 0 * (stale bits, maybe NaN) must not reach acc
+        return tl.load(row[:, None] + offs[None, :], mask=nmask[:, None] & (offs < n)[None, :], other=0.0)
+    elif n == n_pad:
+        return tl.load(row[:, None] + offs[None, :])
+    else:
+        return tl.load(row[:, None] + offs[None, :], mask=(offs < n)[None, :], other=0.0)
+
+
+@triton.jit
+def _mla_tile(
+    qn, qp, m_i, l_i, acc, n0, end, bt_row, cache_ptr, stride_cb, stride_cs, qk_scale,
+    LORA: tl.constexpr, LORA_PAD: tl.constexpr, ROPE: tl.constexpr, ROPE_PAD: tl.constexpr,
+    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, IEEE: tl.constexpr,
+):  # fmt: skip
+    """One BLOCK_N-token tile of the online softmax. Only the tail tile is MASKED: full tiles
+    build no predicates, which keeps the [BLOCK_H, LORA] accumulator out of spill range."""
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    nmask = offs_n < end
+    if MASKED:
+        page = tl.load(bt_row + offs_n // PAGE, mask=nmask, other=0).to(tl.int64)
+    else:
+        page = tl.load(bt_row + offs_n // PAGE).to(tl.int64)
+    row = cache_ptr + page * stride_cb + (offs_n % PAGE) * stride_cs
+    kc = _load_rows(row, tl.arange(0, LORA_PAD), LORA, LORA_PAD, nmask, MASKED).to(qn.dtype)
+    kr = _load_rows(row + LORA, tl.arange(0, ROPE_PAD), ROPE, ROPE_PAD, nmask, MASKED).to(qp.dtype)
+    s = dot(qn, tl.trans(kc), tl.zeros([qn.shape[0], BLOCK_N], tl.float32), IEEE)
+    s = dot(qp, tl.trans(kr), s, IEEE) * qk_scale  # [H, N], log2 units
+    if MASKED:
+        s = tl.where(nmask[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = dot(p.to(kc.dtype), kc, acc * alpha[:, None], IEEE)  # the latent is the value
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _mla_decode_kernel(
     qn_ptr,
     qp_ptr,
@@ -53,6 +93,7 @@ def _mla_decode_kernel(
     num_splits,
     WRITE_LSE: tl.constexpr,
     IEEE: tl.constexpr,
+    TAIL_ONLY: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -76,23 +117,20 @@ def _mla_decode_kernel(
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, LORA_PAD], tl.float32)
     bt_row = bt_ptr + b * stride_btb
-    for n0 in range(start, end, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        nmask = offs_n < end
-        page = tl.load(bt_row + offs_n // PAGE, mask=nmask, other=0).to(tl.int64)
-        row = cache_ptr + page * stride_cb + (offs_n % PAGE) * stride_cs
-        kc = tl.load(row[:, None] + offs_c[None, :], mask=nmask[:, None] & cmask[None, :], other=0.0)
-        kr = tl.load(row[:, None] + LORA + offs_r[None, :], mask=nmask[:, None] & rmask[None, :], other=0.0)
-        kc = kc.to(qn.dtype)
-        s = dot(qn, tl.trans(kc), tl.zeros([BLOCK_H, BLOCK_N], tl.float32), IEEE)
-        s = dot(qp, tl.trans(kr.to(qp.dtype)), s, IEEE) * qk_scale  # [H, N], log2 units
-        s = tl.where(nmask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = dot(p.to(kc.dtype), kc, acc * alpha[:, None], IEEE)  # the latent is the value
-        m_i = m_new
+    # TAIL_ONLY: only the last tile builds masks (fewer live predicates: less spilling with the
+    # 64-head accumulator); otherwise every tile is masked (smaller code, better for small head tiles)
+    if TAIL_ONLY:
+        full_end = start + tl.maximum(end - start, 0) // BLOCK_N * BLOCK_N
+        for n0 in range(start, full_end, BLOCK_N):
+            m_i, l_i, acc = _mla_tile(qn, qp, m_i, l_i, acc, n0, end, bt_row, cache_ptr, stride_cb, stride_cs,
+                                      qk_scale, LORA, LORA_PAD, ROPE, ROPE_PAD, PAGE, BLOCK_N, False, IEEE)  # fmt: skip
+        if full_end < end:
+            m_i, l_i, acc = _mla_tile(qn, qp, m_i, l_i, acc, full_end, end, bt_row, cache_ptr, stride_cb, stride_cs,
+                                      qk_scale, LORA, LORA_PAD, ROPE, ROPE_PAD, PAGE, BLOCK_N, True, IEEE)  # fmt: skip
+    else:
+        for n0 in range(start, end, BLOCK_N):
+            m_i, l_i, acc = _mla_tile(qn, qp, m_i, l_i, acc, n0, end, bt_row, cache_ptr, stride_cb, stride_cs,
+                                      qk_scale, LORA, LORA_PAD, ROPE, ROPE_PAD, PAGE, BLOCK_N, True, IEEE)  # fmt: skip
 
     empty = l_i == 0.0
     o = acc / tl.where(empty, 1.0, l_i)[:, None]
@@ -114,12 +152,21 @@ def default_config(num_heads: int, lora: int, dtype: torch.dtype = torch.bfloat1
     return {"BLOCK_H": 64, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2, "per_sm": 1}
 
 
+def _cand(h: int, n: int, warps: int, stages: int, per_sm: int, tail_only: bool) -> dict:
+    return {"BLOCK_H": h, "BLOCK_N": n, "num_warps": warps, "num_stages": stages, "per_sm": per_sm,
+            "TAIL_ONLY": tail_only}  # fmt: skip
+
+
 CANDIDATES = [
-    {"BLOCK_H": 64, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2, "per_sm": 1},
-    {"BLOCK_H": 64, "BLOCK_N": 32, "num_warps": 8, "num_stages": 2, "per_sm": 1},
-    {"BLOCK_H": 32, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2, "per_sm": 1},
-    {"BLOCK_H": 16, "BLOCK_N": 32, "num_warps": 4, "num_stages": 3, "per_sm": 2},
-    {"BLOCK_H": 16, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2, "per_sm": 2},
+    _cand(64, 64, 8, 2, 1, False),
+    _cand(64, 64, 8, 2, 1, True),
+    _cand(64, 32, 8, 3, 1, True),
+    _cand(64, 32, 8, 4, 1, True),
+    _cand(64, 16, 8, 3, 1, True),
+    _cand(64, 16, 8, 4, 1, True),
+    _cand(16, 32, 4, 3, 2, False),
+    _cand(16, 32, 4, 3, 2, True),
+    _cand(16, 64, 4, 2, 2, False),
 ]
 
 
@@ -163,7 +210,7 @@ def mla_decode_attention(
         *o_strides, *lse_strides, scale * LOG2E, H,
         LORA=lora, LORA_PAD=max(16, next_pow2(lora)), ROPE=rope, ROPE_PAD=max(16, next_pow2(rope)), PAGE=page,
         BLOCK_H=block_h, BLOCK_N=cfg["BLOCK_N"], num_splits=num_splits, WRITE_LSE=num_splits > 1, IEEE=ieee(q_nope),
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        TAIL_ONLY=cfg.get("TAIL_ONLY", False), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
     if num_splits > 1:
         merge_splits(part_o, part_lse, out)

@@ -97,7 +97,11 @@ def fused_experts_ref(
     topk_weights: torch.Tensor,  # [T, k]
     topk_ids: torch.Tensor,  # [T, k] int
 ) -> torch.Tensor:  # [T, H]
-    """Rows sorted by expert, one GEMM pair per expert (one host sync for the counts)."""
+    """Rows sorted by expert, one GEMM pair per expert (one host sync for the counts).
+
+    Roundings are the Triton kernel's (and HF's eager experts'): the GEMMs' outputs and silu in
+    the activation dtype, each expert's output times its fp32 weight rounded to the activation
+    dtype, the k rows summed in fp32."""
     T, k = topk_ids.shape
     inter = w13.shape[1] // 2
     flat = topk_ids.reshape(-1).long()
@@ -115,7 +119,7 @@ def fused_experts_ref(
         gate_up = x[rows] @ w13[e].t()  # [n, 2I]
         h = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
         y = (h @ w2[e].t()).float() * topk_weights.reshape(-1)[order[rows]].float()[:, None]
-        out.index_add_(0, tokens[rows], y)
+        out.index_add_(0, tokens[rows], y.to(hidden.dtype).float())
         start += n
     return out.to(hidden.dtype)
 

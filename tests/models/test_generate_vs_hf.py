@@ -1,8 +1,8 @@
 """End-to-end numerics: greedy generation through `LLM` equals transformers' `generate`
 on identical random weights (fp32, token for token), and prompt logprobs and the final
-position's top logprobs agree (fp32: atol 1e-4; bf16: atol 0.1 nats against transformers run
-in bf16). Families: the dense Llama family and the MoE ones (DeepSeek-V3/V2 with MLA,
-Qwen3-MoE, Mixtral)."""
+position's top logprobs agree (fp32: atol 1e-4; bf16: no less accurate than transformers run in
+bf16, both measured against transformers in fp32). Families: the dense Llama family and the MoE
+ones (DeepSeek-V3/V2 with MLA, Qwen3-MoE, Mixtral)."""
 
 import copy
 import shutil
@@ -81,18 +81,36 @@ def test_greedy_with_prefix_cache_hits_equals_transformers(checkpoint):
     assert [o.outputs[0].token_ids for o in outs] == [_hf_greedy(hf, v) for v in variants]
 
 
-def _hf_prompt_logprobs(hf, prompt, dtype):
+def _hf_prompt_logprobs(hf, prompt, dtype) -> torch.Tensor:
     model = copy.deepcopy(hf).to(dtype)  # a round trip through bf16 would round the shared fp32 weights
     with torch.inference_mode():
         logits = model(torch.tensor([prompt])).logits[0].float()
     lp = torch.log_softmax(logits, dim=-1)
-    return [lp[i - 1, prompt[i]].item() for i in range(1, len(prompt))]
+    return torch.tensor([lp[i - 1, prompt[i]].item() for i in range(1, len(prompt))])
 
 
-@pytest.mark.parametrize("dtype,atol", [("float32", 1e-4), ("bfloat16", 0.1)])
-def test_prompt_logprobs_match_transformers(checkpoint, dtype, atol):
-    _, path, hf = checkpoint
-    prompt = _prompts()[2]
+# bf16 prompt logprobs: HF's own bf16 error (HF bf16 against HF fp32, per position) is the yardstick.
+# Ours against HF fp32 may be at most BF16_FACTOR times that error at a typical position (median)
+# and at the worst one, plus a floor each: half a typical bf16 error (HF's medians here are 0.004 to
+# 0.015 nats), and for the worst position the former absolute limit, 0.1 nats.
+# Why not "within 0.1 nats of HF bf16" at every position: MoE routers' near-ties. In this DeepSeek-V3
+# checkpoint HF bf16 is 0.575 nats from fp32 at position 17, because bf16 rounding flips a last-layer
+# choice whose biased scores are 5e-4 apart (experts 4 and 5: 0.6830 / 0.6835). Whether another bf16
+# implementation flips it as well depends on every rounding and summation order (cuBLAS's GEMMs or the
+# CPU's, the Triton kernels' epilogues), not on correctness: on an H200 ours came out 0.35 nats from
+# HF bf16; the Triton paged-attention kernel alone (CPU interpreter) puts Qwen3-MoE 0.16 nats from HF
+# bf16 at a position where HF bf16 and fp32 agree; the torch path on the CPU is 1.09 nats from HF
+# bf16 on Mixtral's prompt 4 (0.82 from fp32, where HF bf16 is 1.10 away). Flips move single
+# positions, so the median is the typical-accuracy check. Measured over every family and prompts 2
+# and 4, torch path on the CPU and Triton path in the interpreter: ours at most 1.6x HF's median
+# (within the floor) and 1.5x its worst. Bugs (DeepSeek-V3, prompt 2; fp32 catches them too): MLA
+# softmax scale x1.1 -> median 2.5x; e_score_correction_bias ignored -> 11x; routed_scaling_factor
+# dropped -> 22x.
+BF16_FACTOR = 1.5
+BF16_FLOOR_MEDIAN, BF16_FLOOR_MAX = 0.005, 0.1  # nats
+
+
+def _prompt_logprobs(path: str, prompt: list[int], dtype: str) -> torch.Tensor:
     llm = LLM(
         path,
         dtype=dtype,
@@ -105,10 +123,34 @@ def test_prompt_logprobs_match_transformers(checkpoint, dtype, atol):
     out = llm.generate([{"prompt_token_ids": prompt}], _greedy(prompt_logprobs=2))[0]
     ours = out.prompt_logprobs
     assert len(ours) == len(prompt) and ours[0] is None
-    got = [ours[i][prompt[i]] for i in range(1, len(prompt))]
-    want = _hf_prompt_logprobs(hf, prompt, getattr(torch, dtype))
-    assert max(abs(a - b) for a, b in zip(got, want)) < atol
     assert all(len(ours[i]) <= 3 for i in range(1, len(prompt)))  # the token plus its top 2
+    return torch.tensor([ours[i][prompt[i]] for i in range(1, len(prompt))])
+
+
+def test_prompt_logprobs_match_transformers_fp32(checkpoint):
+    _, path, hf = checkpoint
+    prompt = _prompts()[2]
+    got = _prompt_logprobs(path, prompt, "float32")
+    want = _hf_prompt_logprobs(hf, prompt, torch.float32)
+    assert (got - want).abs().max() < 1e-4
+
+
+def test_bf16_prompt_logprobs_as_accurate_as_transformers_bf16(checkpoint):
+    """bf16 prompt logprobs no further from HF fp32 than BF16_FACTOR x HF bf16's own distance, at
+    a typical position and at the worst one (see BF16_FACTOR for why and for the measured numbers)."""
+    _, path, hf = checkpoint
+    prompt = _prompts()[2]
+    got = _prompt_logprobs(path, prompt, "bfloat16")
+    ref32 = _hf_prompt_logprobs(hf, prompt, torch.float32)
+    ref16 = _hf_prompt_logprobs(hf, prompt, torch.bfloat16)
+    ours_err, hf_err = (got - ref32).abs(), (ref16 - ref32).abs()
+    report = (
+        f"ours - HF fp32: median {ours_err.median():.4f}, max {ours_err.max():.4f} (position {int(ours_err.argmax())}); "
+        f"HF bf16 - HF fp32: median {hf_err.median():.4f}, max {hf_err.max():.4f} (position {int(hf_err.argmax())}); "
+        f"ours - HF bf16: max {(got - ref16).abs().max():.4f}"
+    )
+    assert ours_err.median() <= BF16_FACTOR * hf_err.median() + BF16_FLOOR_MEDIAN, report
+    assert ours_err.max() <= BF16_FACTOR * hf_err.max() + BF16_FLOOR_MAX, report
 
 
 def test_preemption_with_recompute_finishes_every_request_correctly(checkpoint, references):

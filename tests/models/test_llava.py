@@ -4,12 +4,25 @@ Checkpoints are random tiny `LlavaForConditionalGeneration`s saved with `save_pr
 the HF image processor's `preprocessor_config.json` beside them; images are PNGs drawn by the
 test (`tests.helpers.images`). Pixel values must equal HF's exactly, image embeddings within
 fp32 atol 1e-5, and greedy generations token for token.
+
+The reference processor is pinned to transformers' PIL backend (`CLIPImageProcessorPil`,
+`SiglipImageProcessorPil`), which ours follows step for step. Where torchvision is installed,
+`AutoImageProcessor` and `CLIPImageProcessor` default to the torchvision backend, whose
+antialiased tensor resize differs from PIL's (on these images up to 2 uint8 levels for CLIP and
+12 for SigLIP's squashing resize, transformers 5.17): not a target one implementation can equal.
+Transparency: transformers 5.21 and later composite it onto white before resizing, as ours does;
+5.20 and earlier drop the alpha channel (`Image.convert("RGB")`), so there the RGBA cases feed HF
+the image already composited (see `_hf_composites_transparency`).
+
+fp32 on CUDA runs with TF32 off for cuBLAS and cuDNN while this module runs (restored after), so
+the GPU comparisons are exact fp32 ones too, whatever the process had set.
 """
 
 from __future__ import annotations
 
 import shutil
 
+import numpy as np
 import pytest
 import torch
 import transformers
@@ -33,6 +46,16 @@ PROCESSORS = {
 COMPOSITIONS = [("clip", "deepseek_v3"), ("siglip", "llama")]
 
 
+@pytest.fixture(scope="module", autouse=True)
+def full_fp32_on_cuda():
+    """No TF32 while this module runs (cuDNN's fp32 convolutions default to it): fp32 is fp32."""
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
 @pytest.fixture(scope="module", params=COMPOSITIONS, ids=lambda c: f"{c[0]}-{c[1]}")
 def checkpoint(request, tmp_path_factory):
     vision, text = request.param
@@ -51,8 +74,20 @@ def llm(checkpoint):
     return LLM(path, dtype="float32", max_model_len=128, num_gpu_blocks=64, block_size=8)
 
 
-def _hf_pixels(processor, png: bytes) -> torch.Tensor:
+def _hf_pixels(processor, png: bytes | Image.Image) -> torch.Tensor:
     return processor(images=load_image(png), return_tensors="pt")["pixel_values"]
+
+
+def _on_white(image: Image.Image) -> Image.Image:
+    rgba = image.convert("RGBA")
+    return Image.alpha_composite(Image.new("RGBA", rgba.size, (255, 255, 255, 255)), rgba).convert("RGB")
+
+
+def _hf_composites_transparency(processor) -> bool:
+    """Whether the installed transformers composites transparency onto white (5.21 and later) rather
+    than dropping the alpha channel (5.20 and earlier): a clear black image comes out white or black."""
+    clear = Image.new("RGBA", (32, 32), (0, 0, 0, 0))
+    return torch.equal(_hf_pixels(processor, clear), _hf_pixels(processor, Image.new("RGB", (32, 32), "white")))
 
 
 def _hf_greedy(hf, prompt: list[int], pixels: torch.Tensor | None, tokens_per_image: int) -> list[int]:
@@ -81,7 +116,12 @@ def test_preprocessing_equals_hf_image_processor(tmp_path, vision, mode, size) -
     png = make_png(*size, seed=1, mode=mode)
     ours = preprocess_images([png], config)
     assert ours.dtype == torch.float32 and ours.shape == (1, 3, 32, 32)
-    assert torch.equal(ours, _hf_pixels(processor, png))
+    image = load_image(png)
+    if mode == "RGBA":
+        assert 0 < np.asarray(image.getchannel("A")).min() < 255  # partial transparency to composite
+        if not _hf_composites_transparency(processor):  # transformers <= 5.20: HF gets it composited
+            image = _on_white(image)
+    assert torch.equal(ours, _hf_pixels(processor, image))
 
 
 def test_encode_images_equals_hf_vision_tower_and_projector(checkpoint, llm) -> None:

@@ -1,6 +1,6 @@
 """The vision transformers LLaVA-style models use as towers: CLIP and SigLIP, one implementation.
 
-    pixels [N, 3, S, S] -> patch conv -> (+ CLS token, CLIP) + position embedding
+    pixels [N, 3, S, S] -> patch embedding -> (+ CLS token, CLIP) + position embedding
                         -> (pre-LayerNorm, CLIP) -> pre-norm encoder layers
 
 `forward` returns the hidden states after the encoder layers a caller names (HF's
@@ -8,6 +8,11 @@
 layers as the deepest one needs. The final `post_layernorm` and SigLIP's pooling head serve
 CLIP/SigLIP's own image embedding, not LLaVA's features, so they are not built.
 Parameter names are HF's (`embeddings.patch_embedding`, `encoder.layers.<i>.self_attn.q_proj`, ...).
+
+The patch "conv" (kernel = stride = patch size) runs as one matmul over the flattened patches:
+the same sums as HF's Conv2d, but through cuBLAS, whose fp32 matmuls are full fp32 under torch's
+defaults, where cuDNN's fp32 convolutions default to TF32 (`torch.backends.cudnn.allow_tf32`:
+inputs rounded to 10 mantissa bits). An fp32 engine thus stays on fp32 numerics on CUDA too.
 """
 
 from __future__ import annotations
@@ -103,6 +108,16 @@ class VisionEmbeddings(nn.Module):
         )
         self.position_embedding = nn.Embedding(args.num_patches + int(args.has_cls_token), d, dtype=dtype)
 
+    def _patch_embed(self, pixels: torch.Tensor) -> torch.Tensor:  # [N, C, S, S] -> [N, P, D]
+        """HF's patch Conv2d (stride = kernel = p; pixels past the last whole patch unused) as a matmul."""
+        n, c, p = pixels.shape[0], self.args.num_channels, self.args.patch_size
+        g = self.args.image_size // p
+        patches = pixels[:, :, : g * p, : g * p].reshape(n, c, g, p, g, p).permute(0, 2, 4, 1, 3, 5)
+        weight = self.patch_embedding.weight  # [D, C, p, p]
+        return F.linear(
+            patches.reshape(n, g * g, c * p * p), weight.reshape(weight.shape[0], -1), self.patch_embedding.bias
+        )
+
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:  # [N, C, S, S] -> [N, P(+1), D]
         size = self.args.image_size
         if tuple(pixel_values.shape[1:]) != (self.args.num_channels, size, size):
@@ -110,8 +125,7 @@ class VisionEmbeddings(nn.Module):
                 f"pixel_values of shape {tuple(pixel_values.shape)}; the vision tower takes "
                 f"[N, {self.args.num_channels}, {size}, {size}]"
             )
-        x = self.patch_embedding(pixel_values.to(self.patch_embedding.weight.dtype))  # [N, D, g, g]
-        x = x.flatten(2).transpose(1, 2)  # [N, P, D]
+        x = self._patch_embed(pixel_values.to(self.patch_embedding.weight.dtype))  # [N, P, D]
         if self.args.has_cls_token:
             x = torch.cat([self.class_embedding.expand(x.shape[0], 1, -1), x], dim=1)  # [N, P+1, D]
         return x + self.position_embedding.weight

@@ -1,6 +1,9 @@
 """LLMEngine: one engine class, three roles (SPEC §1), one step with a fixed hook timeline (SPEC §2).
 
 `PromptEngine` and `CompletionEngine` subclass it and fill the hooks; nothing else is copied.
+`step()` runs either synchronously (`_step_sync`, SPEC §2 as written) or with zero-overhead
+scheduling (`_step_overlapped`: the next step is launched before this one is read back; see
+`overlap.py` for the timeline, the one-beat output delay and the fallbacks).
 """
 
 from __future__ import annotations
@@ -13,6 +16,8 @@ import torch
 
 from deepinfer_core import envs
 from deepinfer_core.config import EngineConfig
+from deepinfer_core.engine import overlap
+from deepinfer_core.engine.overlap import InFlightStep
 from deepinfer_core.engine.request_state import RequestState
 from deepinfer_core.engine_args import EngineArgs
 from deepinfer_core.engine_type import EngineType
@@ -40,7 +45,18 @@ class LLMEngine:
             assert self.engine_type != EngineType.COMPLETION, "a COMPLETION engine cannot use context parallelism"
         self.name = f"{self.engine_type.name}_{config.device}"
         logger.info("starting engine %s (role %s, model %s)", self.name, self.engine_type.name, config.model.path)
-        self.zero_overhead_scheduling = envs.DEEPINFER_ZERO_OVERHEAD_SCHEDULING
+        # A PE hands each prefilled sequence off in its step's own post-process (SPEC §2), so its
+        # steps never overlap, whatever the environment says.
+        self.zero_overhead_scheduling = (
+            envs.DEEPINFER_ZERO_OVERHEAD_SCHEDULING and self.engine_type != EngineType.PROMPT
+        )
+        """Read at every step: switching it off finishes the step in flight first."""
+        if envs.DEEPINFER_ZERO_OVERHEAD_SCHEDULING and not self.zero_overhead_scheduling:
+            logger.info("zero-overhead scheduling stays off on a PROMPT engine")
+        self._step_in_flight: Optional[InFlightStep] = None
+        """Zero-overhead scheduling: the launched step whose tokens are not read back yet."""
+        self._resolving_step: Optional[InFlightStep] = None
+        """The in-flight step being post-processed (its sequences were advanced already)."""
         self.tokenizer = tokenizer if tokenizer is not None else self._load_tokenizer()
         self.worker = Worker(config)
         self.mm_processor = self._build_mm_processor()
@@ -183,13 +199,49 @@ class LLMEngine:
         self.requests.pop(request_id, None)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._step_in_flight is not None
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.requests)
 
     # ---- the step (SPEC §2) -------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        if self.zero_overhead_scheduling:
+            return self._step_overlapped()
+        outputs = self._finish_step_in_flight()  # overlap was switched off with a step in flight
+        return outputs + self._step_sync()
+
+    def _step_sync(self) -> list[RequestOutput]:
+        out = self._schedule_step()
+        handle = self.worker.runner.launch(out, self._sampling_rows(out))
+        self.pre_sampler_sync(out)
+        result = handle.result()  # the sample-end synchronisation
+        return self.post_process(out, result)
+
+    def _step_overlapped(self) -> list[RequestOutput]:
+        """Launch step C, then read back and post-process step P, launched by the previous call;
+        C stays in flight. Returns P's outputs (one beat later than `_step_sync`)."""
+        prev, self._step_in_flight = self._step_in_flight, None
+        outputs: list[RequestOutput] = []
+        if prev is not None and self._advance(prev):
+            outputs, prev = self._resolve(prev), None  # fallback: C's schedule must see P's tokens
+        out = self._schedule_step()
+        rows = self._sampling_rows(out)
+        handle = self.worker.runner.launch(out, rows, overlap.placeholder_fill(prev, out))
+        # finalize_seq here may release blocks that P (and C, for a sequence P's token ends) still
+        # write: whoever gets them next is launched later on the same stream, so those writes land
+        # first; on CPU every launch has completed when it returns.
+        self.pre_sampler_sync(out)
+        current = InFlightStep.launched(out, handle, rows)
+        if prev is not None:
+            outputs += self._resolve(prev)  # P's sample-end sync, while C runs on the device
+        if out.is_empty:  # no device work to overlap with: finish it now
+            outputs += self._advance_and_resolve(current)
+        else:
+            self._step_in_flight = current
+        return outputs
+
+    def _schedule_step(self) -> SchedulerOutputs:
         out = self.scheduler.schedule()
         self.post_schedule(out)
         if not out.prompt_run and self.copy_state is not None:
@@ -198,10 +250,49 @@ class LLMEngine:
                 self.do_copy_state(to_copy)
         if self.engine_type == EngineType.PROMPT and not out.is_empty:
             assert out.prompt_run, "a PROMPT engine only runs prefill steps"
-        handle = self.worker.runner.launch(out, self._sampling_rows(out))
-        self.pre_sampler_sync(out)
-        result = handle.result()  # the sample-end synchronisation
-        return self.post_process(out, result)
+        return out
+
+    def _advance(self, step: InFlightStep) -> bool:
+        """Move an in-flight step's sequences on without its tokens (what `post_process` does
+        before the samples): computed length, prefix-cache commit, and a placeholder per sample.
+        Returns True when the next schedule must see the step's tokens (`overlap` fallbacks)."""
+        out = step.out
+        for i, seq in enumerate(out.scheduled_seqs):
+            if seq.request_id not in self.requests or seq.is_finished:
+                continue  # aborted, or ended by the step before this one: this step's sample is dropped
+            step.live.add(i)
+            seq.num_cached_tokens += out.num_new_tokens[i]
+            assert not overlap.has_placeholder(seq)  # so the committed blocks hold real tokens only
+            self.scheduler.commit_computed(seq)
+            if step.num_rows[i]:
+                overlap.append_placeholder(seq)
+                step.pending[i] = seq
+        if overlap.must_resolve_before_schedule(step):
+            return True
+        max_len = self.config.scheduler.max_model_len
+        for i, seq in step.pending.items():
+            # Its sample ends it whatever the value: free its blocks and skip it from the next
+            # schedule on, as the synchronous step would (a fan-out needs its blocks to fork).
+            if step.num_rows[i] == 1 and seq in self.scheduler.running and overlap.ends_by_length(seq, max_len):
+                self.scheduler.retire_seq(seq)
+        return False
+
+    def _resolve(self, step: InFlightStep) -> list[RequestOutput]:
+        """Read an advanced step back (its sample-end sync) and post-process it."""
+        result = step.handle.result()
+        self._resolving_step = step
+        try:
+            return self.post_process(step.out, result)
+        finally:
+            self._resolving_step = None
+
+    def _advance_and_resolve(self, step: InFlightStep) -> list[RequestOutput]:
+        self._advance(step)
+        return self._resolve(step)
+
+    def _finish_step_in_flight(self) -> list[RequestOutput]:
+        step, self._step_in_flight = self._step_in_flight, None
+        return self._advance_and_resolve(step) if step is not None else []
 
     def pre_sampler_sync(self, out: SchedulerOutputs) -> None:
         if not out.prompt_run:
@@ -215,18 +306,28 @@ class LLMEngine:
                 self.finalize_seq(seq)
 
     def post_process(self, out: SchedulerOutputs, result: StepResult) -> list[RequestOutput]:
+        # An overlapped step's sequences were moved on by `_advance` already (computed length,
+        # prefix commit, placeholders); here its tokens replace the placeholders.
+        advanced = (
+            self._resolving_step if self._resolving_step is not None and self._resolving_step.out is out else None
+        )
         touched: dict[str, RequestState] = {}
-        samples = [out.samples(i) for i in range(len(out.scheduled_seqs))]
+        samples = [out.samples(i) for i in range(len(out.scheduled_seqs))] if advanced is None else None
         for i, seq in enumerate(out.scheduled_seqs):
             state = self.requests.get(seq.request_id)
             if state is None:  # aborted while the step ran
                 continue
+            if advanced is None:
+                seq.num_cached_tokens += out.num_new_tokens[i]
+                self.scheduler.commit_computed(seq)
+                if samples[i]:
+                    self._take_samples(state, seq, result, i)
+            elif i not in advanced.live:
+                continue  # it had ended before this step was advanced: its sample is dropped
+            elif i in advanced.pending:
+                self._take_samples(state, seq, result, i, placeholder=True)
             if i in result.prompt_logprobs:
                 state.prompt_logprobs = (state.prompt_logprobs or [None]) + result.prompt_logprobs[i]
-            seq.num_cached_tokens += out.num_new_tokens[i]
-            self.scheduler.commit_computed(seq)
-            if samples[i]:
-                self._take_samples(state, seq, result, i)
             touched[seq.request_id] = state
         for seq in out.ignored_seqs + out.preempted_seqs:
             if seq.request_id in self.requests:
@@ -249,6 +350,8 @@ class LLMEngine:
                 rows.append([])
                 continue
             state = self.requests.get(seq.request_id)
+            if overlap.needs_output_values(seq.params):  # penalties count token values
+                assert not overlap.has_placeholder(seq), "penalised sampling needs the in-flight token (overlap.py)"
             fan_out = state is not None and seq.params.n > 1 and not state.forked
             gens = (
                 state.generators if fan_out and state.generators else [seq.generator] * (seq.params.n if fan_out else 1)
@@ -258,7 +361,10 @@ class LLMEngine:
             )
         return rows
 
-    def _take_samples(self, state: RequestState, seq: Sequence, result: StepResult, i: int) -> None:
+    def _take_samples(
+        self, state: RequestState, seq: Sequence, result: StepResult, i: int, placeholder: bool = False
+    ) -> None:
+        """Append the step's samples of seq i; `placeholder`: its first sample replaces its placeholder."""
         tokens = result.token_ids[i]
         lps = result.logprobs[i] or [None] * len(tokens)
         tops = result.top_logprobs[i] or [None] * len(tokens)
@@ -272,10 +378,13 @@ class LLMEngine:
                 state.seqs.append(child)
                 self._attach_detokenizer(state, child)
                 self._append_token(state, child, tokens[k], lps[k], tops[k])
-        self._append_token(state, seq, tokens[0], lps[0], tops[0])
+        self._append_token(state, seq, tokens[0], lps[0], tops[0], placeholder)
 
-    def _append_token(self, state: RequestState, seq: Sequence, token: int, lp, top) -> None:
-        seq.append_token(token)
+    def _append_token(self, state: RequestState, seq: Sequence, token: int, lp, top, placeholder: bool = False) -> None:
+        if placeholder:
+            overlap.resolve_placeholder(seq, token)
+        else:
+            seq.append_token(token)
         if lp is not None:
             seq.output_logprobs.append(lp)
             seq.output_top_logprobs.append(top)
@@ -298,6 +407,10 @@ class LLMEngine:
         if decision.truncate_text_to is not None:
             seq.output_text = seq.output_text[: decision.truncate_text_to]
         seq.stop_reason = decision.stop_reason
+        if seq.status == SequenceStatus.FINISHED_PREEMPTED:
+            # Overlap only: KV ran out after this token was sampled; without overlap the token
+            # would have ended the sequence first, so it is no preemption.
+            seq.error = None
         status = SequenceStatus.FINISHED_STOPPED if decision.reason == "stop" else SequenceStatus.FINISHED_LENGTH
         self.scheduler.finish_seq(seq, status)
 

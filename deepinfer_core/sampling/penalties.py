@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from deepinfer_core.worker.events import to_device
+
 if TYPE_CHECKING:
     from deepinfer_core.sampling.sampler import SamplingRow
 
@@ -54,7 +56,7 @@ def apply_min_tokens_mask(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> 
         tok_idx.extend(banned)
     if row_idx:
         index = (_long(row_idx, logits.device), _long(tok_idx, logits.device))
-        logits.index_put_(index, torch.tensor(float("-inf"), device=logits.device))
+        logits.index_put_(index, torch.full((), float("-inf"), device=logits.device))
 
 
 def _apply_repetition_penalty(logits: torch.Tensor, rows: list[SamplingRow], idx: list[int]) -> None:
@@ -65,9 +67,10 @@ def _apply_repetition_penalty(logits: torch.Tensor, rows: list[SamplingRow], idx
         logits.device,
     )  # [n, V]
     penalty = _float([r.params.repetition_penalty for r in rows], logits.device)[:, None]  # [n, 1]
-    sub = logits[idx]  # [n, V] (copy)
+    index = _long(idx, logits.device)
+    sub = logits[index]  # [n, V] (copy)
     penalised = torch.where(sub > 0, sub / penalty, sub * penalty)
-    logits[idx] = torch.where(counts > 0, penalised, sub)
+    logits[index] = torch.where(counts > 0, penalised, sub)
 
 
 def _apply_presence_frequency(logits: torch.Tensor, rows: list[SamplingRow], idx: list[int]) -> None:
@@ -79,7 +82,7 @@ def _apply_presence_frequency(logits: torch.Tensor, rows: list[SamplingRow], idx
     )  # [n, V] float32
     freq = _float([r.params.frequency_penalty for r in rows], logits.device)[:, None]  # [n, 1]
     pres = _float([r.params.presence_penalty for r in rows], logits.device)[:, None]  # [n, 1]
-    logits[idx] -= freq * counts + pres * (counts > 0)
+    logits[_long(idx, logits.device)] -= freq * counts + pres * (counts > 0)
 
 
 def _token_counts(
@@ -90,14 +93,16 @@ def _token_counts(
     if sum(lengths) == 0:
         return counts[:, :vocab]
     tokens = _long(list(chain.from_iterable(token_lists)), device).clamp_(max=vocab)  # [T]
-    rows = torch.repeat_interleave(torch.arange(len(lengths), device=device), _long(lengths, device))  # [T]
+    rows = torch.repeat_interleave(
+        torch.arange(len(lengths), device=device), _long(lengths, device), output_size=tokens.shape[0]
+    )  # [T]; output_size given: no read-back of the lengths
     counts.index_put_((rows, tokens), torch.ones_like(tokens, dtype=torch.float32), accumulate=True)
     return counts[:, :vocab]
 
 
 def _long(values: list[int], device: torch.device) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.long, device=device)
+    return to_device(values, torch.long, device)
 
 
 def _float(values: list[float], device: torch.device) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.float32, device=device)
+    return to_device(values, torch.float32, device)

@@ -6,6 +6,10 @@ logits' device in float32. Draws use the exponential race (argmax of p / q,
 q ~ Exp(1)), which samples exactly from p; a request with its own generator
 fills its own q row, so its tokens do not depend on the rest of the batch.
 Returned logprobs come from the raw logits (see `logprobs.py`).
+
+`Sampler.queue()` does all of this on the device and reads nothing back (no host sync):
+the engine queues it right behind the forward, and `QueuedSample.to_host()` at the
+step's sample-end sync is the only wait. `Sampler.__call__` is both at once.
 """
 
 from __future__ import annotations
@@ -17,11 +21,12 @@ from typing import Optional
 
 import torch
 
-from deepinfer_core.sampling.logprobs import compute_prompt_logprobs, gather_logprobs
+from deepinfer_core.sampling.logprobs import QueuedLogprobs, compute_prompt_logprobs, queue_logprobs
 from deepinfer_core.sampling.penalties import apply_min_tokens_mask, apply_penalties
 from deepinfer_core.sampling_params import SamplingParams
+from deepinfer_core.worker.events import to_device
 
-__all__ = ["Sampler", "SamplerOutput", "SamplingRow", "compute_prompt_logprobs"]
+__all__ = ["QueuedSample", "Sampler", "SamplerOutput", "SamplingRow", "compute_prompt_logprobs"]
 
 
 @dataclass
@@ -44,18 +49,48 @@ class SamplerOutput:
     top_logprobs: Optional[list[Optional[dict[int, float]]]]  # per row: top params.logprobs + sampled token
 
 
+@dataclass
+class QueuedSample:
+    """One step's sampling, queued on the device and not read back yet."""
+
+    token_ids: torch.Tensor  # [N] int64 on the logits' device, one sampled token per row
+    logprobs: Optional[QueuedLogprobs]  # None if no row asked for logprobs
+    asking: list[bool]  # per row: whether it asked for logprobs
+
+    def to_host(self) -> SamplerOutput:
+        """Read the sample back: this waits for the device."""
+        token_ids = self.token_ids.tolist()
+        if self.logprobs is None:
+            return SamplerOutput(token_ids=token_ids, logprobs=None, top_logprobs=None)
+        chosen, tops = self.logprobs.to_host()
+        return SamplerOutput(
+            token_ids=token_ids,
+            logprobs=chosen,
+            top_logprobs=[top if ask else None for top, ask in zip(tops, self.asking, strict=True)],
+        )
+
+
 class Sampler:
     """Stateless; the caller's logits are never modified (work happens on a float32 copy)."""
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         """Sample one token per row of `logits` ([N, V], any float dtype and device)."""
+        return self.queue(logits, rows).to_host()
+
+    def queue(self, logits: torch.Tensor, rows: list[SamplingRow]) -> QueuedSample:
+        """Queue the sampling of one token per row on the logits' device; nothing is read back.
+        Rows are read now: the caller may change them once this returns."""
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"expected logits [N={len(rows)}, V], got {tuple(logits.shape)}")
         work = logits.to(torch.float32, copy=True)  # [N, V]
         apply_penalties(work, rows)
         apply_min_tokens_mask(work, rows)
         token_ids = _pick_tokens(work, rows)  # [N]
-        return _make_output(logits, token_ids, rows)
+        asking = [r.params.logprobs is not None for r in rows]
+        if not any(asking):
+            return QueuedSample(token_ids, None, asking)
+        num_top = [r.params.logprobs or 0 for r in rows]
+        return QueuedSample(token_ids, queue_logprobs(logits, token_ids, num_top), asking)
 
 
 def _pick_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:  # [N] int64
@@ -66,8 +101,9 @@ def _pick_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         return _sample(logits, rows)
     random = [i for i, r in enumerate(rows) if not r.params.is_greedy]
     token_ids = torch.empty(len(rows), dtype=torch.long, device=logits.device)
-    token_ids[greedy] = logits[greedy].argmax(dim=-1)
-    token_ids[random] = _sample(logits[random], [rows[i] for i in random])
+    greedy_idx, random_idx = _long(greedy, logits.device), _long(random, logits.device)
+    token_ids[greedy_idx] = logits[greedy_idx].argmax(dim=-1)
+    token_ids[random_idx] = _sample(logits[random_idx], [rows[i] for i in random])
     return token_ids
 
 
@@ -129,29 +165,16 @@ def _exponential_race(probs: torch.Tensor, generators: list[Optional[torch.Gener
     if len(shared) == len(generators):
         q.exponential_()
     elif shared:
-        q[shared] = torch.empty(len(shared), probs.shape[-1], device=probs.device).exponential_()
+        q[_long(shared, probs.device)] = torch.empty(len(shared), probs.shape[-1], device=probs.device).exponential_()
     for i, g in enumerate(generators):
         if g is not None:
             q[i].exponential_(generator=g)
     return probs.div_(q).argmax(dim=-1)
 
 
-def _make_output(raw_logits: torch.Tensor, token_ids: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
-    asking = [r.params.logprobs is not None for r in rows]
-    if not any(asking):
-        return SamplerOutput(token_ids=token_ids.tolist(), logprobs=None, top_logprobs=None)
-    num_top = [r.params.logprobs or 0 for r in rows]
-    chosen, tops = gather_logprobs(raw_logits, token_ids, num_top)
-    return SamplerOutput(
-        token_ids=token_ids.tolist(),
-        logprobs=chosen,
-        top_logprobs=[top if ask else None for top, ask in zip(tops, asking, strict=True)],
-    )
-
-
 def _long(values: list[int], device: torch.device) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.long, device=device)
+    return to_device(values, torch.long, device)
 
 
 def _float(values: list[float], device: torch.device) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.float32, device=device)
+    return to_device(values, torch.float32, device)

@@ -271,14 +271,34 @@ class Scheduler:
         self.prompted.append((seq, False))
 
     def finish_seq(self, seq: Sequence, status: SequenceStatus) -> None:
-        """Mark a running sequence done; its blocks are released at the next step."""
+        """Mark a sequence done; its blocks are released at the next step.
+
+        Usually a running one. A fork whose first token ends it is still in `prompted`; with
+        zero-overhead scheduling a sequence preempted for recompute can end in `waiting` when
+        the token it sampled just before the preemption comes back."""
         self._finish(seq, status)
+
+    def retire_seq(self, seq: Sequence) -> None:
+        """Stop scheduling a running sequence whose in-flight token is known to end it (a length
+        cap, decided from counts alone) and release its blocks at the next step, as if it had
+        finished: zero-overhead scheduling does not learn the token's value before the next
+        schedule. `finish_seq` sets the final status once the token is back; until then the
+        sequence's last token is a placeholder, past its computed KV."""
+        self.running.remove(seq)
+        if seq.block_table and seq not in self._finished:
+            self._finished.append(seq)
 
     def _finish(self, seq: Sequence, status: SequenceStatus, blocks_freed: bool = False) -> None:
         seq.status = status
         if seq in self.running:
             self.running.remove(seq)
-        if blocks_freed or not seq.block_table:
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        else:
+            entry = next((e for e in self.prompted if e[0] is seq), None)
+            if entry is not None:
+                self.prompted.remove(entry)
+        if blocks_freed or not seq.block_table or seq in self._finished:
             return
         self._finished.append(seq)
 

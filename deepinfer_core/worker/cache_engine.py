@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from deepinfer_core.worker.events import to_device
 from kernels import ops
 
 
@@ -53,8 +54,8 @@ class CacheEngine:
         """Copy whole blocks src -> dst in every layer (forked sequences' last blocks)."""
         if not pairs:
             return
-        src = torch.tensor([p[0] for p in pairs], device=self.device)
-        dst = torch.tensor([p[1] for p in pairs], device=self.device)
+        src = to_device([p[0] for p in pairs], torch.int64, self.device)  # no wait for the running step
+        dst = to_device([p[1] for p in pairs], torch.int64, self.device)
         ops.copy_blocks(self.kv_buffer, src, dst)
 
     def copy_state_slots(self, pairs: list[tuple[int, int]]) -> None:

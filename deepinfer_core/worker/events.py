@@ -41,3 +41,18 @@ def launch_async(fn: Callable[[], None], device: torch.device) -> DeviceEvent:
         event.record()
         return DeviceEvent(cuda_event=event)
     return DeviceEvent(future=_host_queue.submit(fn))
+
+
+def to_device(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A tensor of host `values` on `device`, without waiting for the device.
+
+    `torch.tensor(values, device="cuda")` copies from pageable memory and synchronises the
+    stream, i.e. waits for every kernel queued before it. With zero-overhead scheduling the
+    next step's inputs are built while the current step runs, so host-to-device copies go
+    through pinned memory, non-blocking (the caching host allocator keeps the pinned buffer
+    until the copy has run). On CPU this is a plain tensor.
+    """
+    host = values.to(dtype) if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)

@@ -2,6 +2,10 @@
 
 Sequence i of the step feeds tokens [num_cached_tokens, num_cached_tokens + n_i):
 fresh prompts, chunks, prompts after prefix hits and decode tokens are all the same case.
+Host lists reach the device through non-blocking copies (`to_device`), so building a
+step's inputs never waits for the step still running on the device. A token that is still
+a placeholder (zero-overhead scheduling: sampled by the running step) goes in as is; the
+runner overwrites it on the device before the forward.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import torch
 from deepinfer_core.models.layers.attention import AttentionMetadata
 from deepinfer_core.multimodal.inputs import image_rows
 from deepinfer_core.sequence import Sequence
+from deepinfer_core.worker.events import to_device
 
 
 @dataclass
@@ -69,21 +74,21 @@ def build_model_input(
     for q in query_lens:
         qsl.append(qsl[-1] + q)
     meta = AttentionMetadata(
-        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
-        block_tables=table.to(device),
-        query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=device),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        slot_mapping=to_device(slots, torch.int64, device),
+        block_tables=to_device(table, torch.int32, device),
+        query_start_loc=to_device(qsl, torch.int32, device),
+        seq_lens=to_device(seq_lens, torch.int32, device),
         query_lens_cpu=query_lens,
         seq_lens_cpu=seq_lens,
         is_decode_only=all(q == 1 for q in query_lens),
     )
     return ModelInput(
-        input_ids=torch.tensor(tokens, dtype=torch.int64, device=device),
-        positions=torch.tensor(positions, dtype=torch.int64, device=device),
+        input_ids=to_device(tokens, torch.int64, device),
+        positions=to_device(positions, torch.int64, device),
         attn_meta=meta,
         sample_indices=sample_indices,
         prompt_logprob_spans=spans,
-        mm_rows=torch.tensor(mm_rows, dtype=torch.int64, device=device) if mm_rows else None,
+        mm_rows=to_device(mm_rows, torch.int64, device) if mm_rows else None,
         mm_embeds=torch.cat(mm_embeds).to(device) if mm_embeds else None,
     )
 

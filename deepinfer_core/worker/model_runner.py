@@ -2,10 +2,14 @@
 
 The engine calls `launch()` (forward and sampling queued), runs its pre-sampler hooks,
 then `StepHandle.result()` waits for the sampled tokens (SPEC §2's sample_end_event).
+`launch()` never reads anything back from the device: the sampled tokens stay in a device
+tensor (`StepHandle.sampled_token_ids`) that the next step can consume before anyone has
+looked at them (zero-overhead scheduling), and `result()` is the only host sync.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 from dataclasses import dataclass, field
 from typing import Optional
@@ -14,10 +18,11 @@ import torch
 from torch import nn
 
 from deepinfer_core.config import EngineConfig
-from deepinfer_core.sampling.logprobs import gather_logprobs
-from deepinfer_core.sampling.sampler import Sampler, SamplerOutput, SamplingRow
+from deepinfer_core.sampling.logprobs import QueuedLogprobs, queue_logprobs
+from deepinfer_core.sampling.sampler import QueuedSample, Sampler, SamplerOutput, SamplingRow
 from deepinfer_core.scheduler.outputs import SchedulerOutputs
 from deepinfer_core.worker.cache_engine import CacheEngine
+from deepinfer_core.worker.events import to_device
 from deepinfer_core.worker.input_batch import ModelInput, build_model_input, placeholder_input
 
 logger = logging.getLogger(__name__)
@@ -34,17 +39,43 @@ class StepResult:
     """batch index -> prompt-logprob entries for the positions this step covered."""
 
 
+@dataclass
+class PlaceholderFill:
+    """Input tokens of a step that the previous step samples: still on the device, never read back."""
+
+    source: torch.Tensor
+    """[R] int64: the previous step's `StepHandle.sampled_token_ids`."""
+    rows: dict[int, int]
+    """Batch index in this step -> row of `source`. The token is the last one that sequence feeds."""
+
+
 class StepHandle:
     """A launched step; `result()` is the sample-end synchronisation point."""
 
-    def __init__(self, finish):
+    def __init__(
+        self, finish, sampled_token_ids: Optional[torch.Tensor] = None, first_rows: Optional[dict[int, int]] = None
+    ):
         self._finish = finish
         self._result: Optional[StepResult] = None
+        self.sampled_token_ids = sampled_token_ids
+        """[R] int64 on the device, one per sampling row (n > 1 fan-out: n rows); None if nothing samples."""
+        self.first_rows = first_rows or {}
+        """Batch index -> row of `sampled_token_ids` holding that sequence's (first) sample."""
 
     def result(self) -> StepResult:
         if self._result is None:
             self._result = self._finish()
         return self._result
+
+
+@dataclass
+class _QueuedStep:
+    """What `launch()` queued for sampling; `_read_back` turns it into a StepResult."""
+
+    num_seqs: int
+    counts: dict[int, int]  # batch index -> sampling rows, for the sequences that sample
+    sample: Optional[QueuedSample] = None
+    prompt_logprobs: dict[int, QueuedLogprobs] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -62,8 +93,11 @@ class ModelRunner:
 
     # ---- step -------------------------------------------------------------------------
     @torch.inference_mode()
-    def launch(self, out: SchedulerOutputs, rows: list[list[SamplingRow]]) -> StepHandle:
-        """Queue the forward and the sampling of a step. `rows[i]`: sampling rows of seq i."""
+    def launch(
+        self, out: SchedulerOutputs, rows: list[list[SamplingRow]], fill: Optional[PlaceholderFill] = None
+    ) -> StepHandle:
+        """Queue the forward and the sampling of a step. `rows[i]`: sampling rows of seq i.
+        `fill`: input tokens to take from the previous step's samples on the device."""
         assert self.cache is not None, "KV cache not initialised"
         if out.clone_blocks:
             self.cache.copy_blocks(out.clone_blocks)
@@ -74,11 +108,27 @@ class ModelRunner:
                 self._forward(placeholder_input(self.device))  # fixed beat; result discarded
             return StepHandle(lambda: StepResult([], [], []))
         inp = build_model_input(out.scheduled_seqs, out.num_new_tokens, self.block_size, self.device)
+        if fill is not None and fill.rows:
+            self._fill_placeholders(out, inp, fill)
         hidden = self._forward(inp)
         if self.device.type == "cuda":
             self.forward_event = torch.cuda.Event()
             self.forward_event.record()
-        return StepHandle(lambda: self._sample(out, inp, hidden, rows))
+        queued = self._queue_sample(out, inp, hidden, rows)
+        first_rows = dict(zip(queued.counts, itertools.accumulate(queued.counts.values(), initial=0)))
+        token_ids = queued.sample.token_ids if queued.sample is not None else None
+        return StepHandle(lambda: self._read_back(queued), token_ids, first_rows)
+
+    def _fill_placeholders(self, out: SchedulerOutputs, inp: ModelInput, fill: PlaceholderFill) -> None:
+        """Overwrite placeholder input tokens with the previous step's samples, on the device
+        (queued behind that step's sampling: stream order makes the value ready, no host wait)."""
+        ends = list(itertools.accumulate(inp.attn_meta.query_lens_cpu))
+        for i in fill.rows:
+            seq = out.scheduled_seqs[i]
+            assert seq.num_cached_tokens + out.num_new_tokens[i] == len(seq), "a placeholder must be the last token fed"
+        dst = to_device([ends[i] - 1 for i in fill.rows], torch.long, self.device)
+        src = to_device(list(fill.rows.values()), torch.long, self.device)
+        inp.input_ids.index_copy_(0, dst, fill.source.index_select(0, src))
 
     def wait_forward(self) -> None:
         """Block until the last launched forward has written its KV (a no-op on CPU)."""
@@ -94,42 +144,49 @@ class ModelRunner:
             return self.graphs.run(inp)
         return self.model(inp.input_ids, inp.positions, self.cache.kv_caches, inp.attn_meta)
 
-    @torch.inference_mode()
-    def _sample(self, out: SchedulerOutputs, inp: ModelInput, hidden: torch.Tensor, rows) -> StepResult:
+    def _queue_sample(self, out: SchedulerOutputs, inp: ModelInput, hidden: torch.Tensor, rows) -> _QueuedStep:
+        """Queue logits, sampling and logprobs on the device; nothing is read back."""
         n = len(out.scheduled_seqs)
-        result = StepResult([[] for _ in range(n)], [[] for _ in range(n)], [[] for _ in range(n)])
         sampling = [i for i in range(n) if rows[i]]
+        queued = _QueuedStep(n, {i: len(rows[i]) for i in sampling})
         if sampling:
             assert len(sampling) == len(inp.sample_indices), "sampling rows disagree with the step"
-            logits = self.model.compute_logits(hidden[inp.sample_indices])  # [S, V]
-            repeat = torch.tensor([len(rows[i]) for i in sampling], device=logits.device)
-            logits = logits.repeat_interleave(repeat, dim=0)  # n > 1: one row per sample
+            index = to_device(inp.sample_indices, torch.long, hidden.device)
+            logits = self.model.compute_logits(hidden[index])  # [S, V]
+            if any(len(rows[i]) > 1 for i in sampling):  # n > 1: one row per sample
+                repeat = [k for k, i in enumerate(sampling) for _ in rows[i]]
+                logits = logits.index_select(0, to_device(repeat, torch.long, logits.device))
             flat = [r for i in sampling for r in rows[i]]
-            self._scatter(result, sampling, rows, self.sampler(logits, flat))
+            queued.sample = self.sampler.queue(logits, flat)
         for b, row0, count, _ in inp.prompt_logprob_spans:
-            result.prompt_logprobs[b] = self._prompt_logprobs(out, b, hidden[row0 : row0 + count])
-        return result
+            queued.prompt_logprobs[b] = self._prompt_logprobs(out, b, hidden[row0 : row0 + count])
+        return queued
 
     @staticmethod
-    def _scatter(result: StepResult, sampling: list[int], rows, sampled: SamplerOutput) -> None:
-        k = 0
-        for i in sampling:
-            for _ in rows[i]:
-                result.token_ids[i].append(sampled.token_ids[k])
-                if sampled.logprobs is not None:
-                    result.logprobs[i].append(sampled.logprobs[k])
-                    result.top_logprobs[i].append(sampled.top_logprobs[k] if sampled.top_logprobs else None)
-                k += 1
+    def _read_back(queued: _QueuedStep) -> StepResult:
+        """The sample-end sync: copy the step's samples and logprobs to the host."""
+        n = queued.num_seqs
+        result = StepResult([[] for _ in range(n)], [[] for _ in range(n)], [[] for _ in range(n)])
+        if queued.sample is not None:
+            sampled: SamplerOutput = queued.sample.to_host()
+            k = 0
+            for i, count in queued.counts.items():
+                for _ in range(count):
+                    result.token_ids[i].append(sampled.token_ids[k])
+                    if sampled.logprobs is not None:
+                        result.logprobs[i].append(sampled.logprobs[k])
+                        result.top_logprobs[i].append(sampled.top_logprobs[k] if sampled.top_logprobs else None)
+                    k += 1
+        for b, lps in queued.prompt_logprobs.items():
+            result.prompt_logprobs[b] = lps.to_host()[1]
+        return result
 
-    def _prompt_logprobs(self, out: SchedulerOutputs, b: int, hidden: torch.Tensor):
+    def _prompt_logprobs(self, out: SchedulerOutputs, b: int, hidden: torch.Tensor) -> QueuedLogprobs:
         seq = out.scheduled_seqs[b]
         start = seq.num_cached_tokens
-        targets = torch.tensor(
-            seq.token_slice(start + 1, start + 1 + hidden.shape[0]), dtype=torch.long, device=hidden.device
-        )
+        targets = to_device(seq.token_slice(start + 1, start + 1 + hidden.shape[0]), torch.long, hidden.device)
         logits = self.model.compute_logits(hidden)  # [L, V]
-        _, entries = gather_logprobs(logits, targets, [seq.params.prompt_logprobs] * hidden.shape[0])
-        return entries
+        return queue_logprobs(logits, targets, [seq.params.prompt_logprobs] * hidden.shape[0])
 
     # ---- memory profile -----------------------------------------------------------------
     def profile_shapes(self) -> list[tuple[int, int]]:

@@ -1,5 +1,6 @@
 """The engine on a GPU (skipped without one): CUDA graphs on and off agree with each other
-and with transformers; graphs are really replayed for decode; PROMPT engines capture none."""
+and with transformers; graphs are really replayed for decode; zero-overhead scheduling on and
+off agree; PROMPT engines capture none."""
 
 import shutil
 
@@ -41,7 +42,15 @@ def test_fp32_graphs_and_eager_equal_transformers(checkpoint):
     want = [_hf(hf, p, 12) for p in _prompts()]
     results = {}
     for eager in (True, False):
-        llm = LLM(path, device="cuda", dtype="float32", max_model_len=256, enforce_eager=eager, max_num_seqs=32, num_gpu_blocks=512)
+        llm = LLM(
+            path,
+            device="cuda",
+            dtype="float32",
+            max_model_len=256,
+            enforce_eager=eager,
+            max_num_seqs=32,
+            num_gpu_blocks=512,
+        )
         runner = llm.engine.worker.runner
         assert (runner.graphs is None) == eager
         replays = 0
@@ -62,6 +71,27 @@ def test_fp32_graphs_and_eager_equal_transformers(checkpoint):
     assert results[False] == want
 
 
+def test_zero_overhead_scheduling_equals_synchronous_steps_with_graphs(checkpoint):
+    """The overlapped step (next step launched before this one is read back, placeholder tokens
+    filled on the device, captured decode graphs) gives what the synchronous step gives."""
+    path, _ = checkpoint
+    llm = LLM(path, device="cuda", dtype="float32", max_model_len=256, max_num_seqs=32, num_gpu_blocks=512)
+    params = [
+        SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+        SamplingParams(temperature=0.8, seed=5, max_tokens=10, ignore_eos=True),
+        SamplingParams(n=2, temperature=0.8, seed=6, max_tokens=7, ignore_eos=True),
+    ] * 2
+    prompts = [{"prompt_token_ids": p} for p in _prompts()]
+    results = {}
+    for zos in (False, True):
+        llm.engine.zero_overhead_scheduling = zos
+        llm.engine.scheduler.block_manager.reset_prefix_cache()
+        outs = llm.generate(prompts, params)
+        results[zos] = [[c.token_ids for c in o.outputs] for o in outs]
+    assert results[True] == results[False]
+    assert llm.engine.scheduler.block_manager.num_free_blocks == 512
+
+
 def test_bf16_on_gpu_stays_close_to_transformers(checkpoint):
     path, hf = checkpoint
     prompt = _prompts()[4]
@@ -78,5 +108,7 @@ def test_bf16_on_gpu_stays_close_to_transformers(checkpoint):
 
 def test_prompt_engine_captures_no_graphs(checkpoint):
     path, _ = checkpoint
-    llm = LLM(path, device="cuda", dtype="float32", max_model_len=256, engine_type=EngineType.PROMPT, num_gpu_blocks=512)
+    llm = LLM(
+        path, device="cuda", dtype="float32", max_model_len=256, engine_type=EngineType.PROMPT, num_gpu_blocks=512
+    )
     assert llm.engine.worker.runner.graphs is None and not llm.engine.worker.runner.use_cuda_graph

@@ -16,7 +16,11 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("triton")
+triton = pytest.importorskip("triton")
+if tuple(int(x) for x in triton.__version__.split(".")[:2]) < (3, 8):
+    # 3.6's interpreter fails on loops bounded by loaded values (`range(start, seq_len, ...)`); the
+    # compiled kernels are checked against the same references on a GPU (test_cuda_kernels.py)
+    pytest.skip("this triton's interpreter cannot run the kernels' data-dependent loops", allow_module_level=True)
 
 ROOT = Path(__file__).resolve().parents[2]
 

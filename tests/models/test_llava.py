@@ -132,7 +132,10 @@ def test_encode_images_equals_hf_vision_tower_and_projector(checkpoint, llm) -> 
     with torch.inference_mode():
         ref = torch.stack(list(hf.model.get_image_features(pixel_values=pixels).pooler_output))
     assert ours.shape == ref.shape == (2, llm.engine.mm_processor.tokens_per_image, hf.config.text_config.hidden_size)
-    torch.testing.assert_close(ours, ref, atol=1e-5, rtol=0)
+    if ours.is_cuda:  # fp32 both, TF32 off (fixture); CUDA's GEMM/attention kernels sum in another order
+        torch.testing.assert_close(ours.cpu(), ref, atol=1e-4, rtol=1e-4)
+    else:
+        torch.testing.assert_close(ours, ref, atol=1e-5, rtol=0)
     alone = load_vision_encoder(model_config_for(path), "cpu")  # what a vision-encoder process loads
     assert not hasattr(alone, "language_model")
     with torch.inference_mode():

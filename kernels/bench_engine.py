@@ -31,6 +31,10 @@ What is measured, per engine:
   from the first start to the last end. It counts every gap, the one between two steps and those
   inside a step (host-launched sampling, input copies). CUPTI adds a few µs to each host-side launch,
   so both settings read a little high; they are measured the same way.
+- **gap between steps** (CUDA only, no profiler): CUDA events recorded on the stream at the start
+  of each step's launch and after its sampling is queued; `gap` = the stream's time from one step's
+  end event to the next step's start event (~0 when the next step was already queued: the host's
+  work hidden, which is what zero-overhead scheduling is for), `GPU ms` = start to end of a step.
 - **bytes per decode step**: weights read + KV read. Weights: every parameter except the routed
   experts and the token embedding in full (attention, norms, routers, lm_head), the embedding rows of
   the `batch` tokens, and of each MoE layer's experts only those the step's routing selected: one
@@ -450,6 +454,36 @@ def measure_idle(engine, steps: int, activities: Optional[list] = None) -> dict[
     }
 
 
+def measure_gaps(engine, steps: int) -> dict[str, Any]:
+    """Per decode step, from CUDA events on the engine's stream (no profiler): `gpu_ms`, from the
+    start of a step's launch to the end of its queued sampling as the stream executes them, and
+    `gap_us`, the stream's time between the end of one step and the start of the next: ~0 when
+    the next step was queued before this one finished (the host's work was hidden), the host's
+    unhidden work otherwise. Medians over `steps` steps."""
+    runner = engine.worker.runner
+    launch = runner.launch
+    marks: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+
+    def timed(*args, **kwargs):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        handle = launch(*args, **kwargs)
+        end.record()
+        marks.append((start, end))
+        return handle
+
+    runner.launch = timed
+    try:
+        for _ in range(steps + 1):
+            engine.step()
+    finally:
+        runner.launch = launch
+    torch.cuda.synchronize()
+    gpu = [s.elapsed_time(e) for s, e in marks]
+    gaps = [prev_end.elapsed_time(start) * 1e3 for (_, prev_end), (start, _) in zip(marks, marks[1:])]
+    return {"gpu_ms_per_step": statistics.median(gpu), "gap_us_per_step": statistics.median(gaps)}
+
+
 def count_routed_experts(engine, batch: int) -> Optional[list[int]]:
     """Distinct experts per MoE layer in one eagerly run decode step of `batch` tokens (None when no
     such forward ran). A forward pre-hook on each SparseMoeBlock recomputes the block's routing."""
@@ -699,9 +733,15 @@ def run_engine_bench(
                     "gen_tok_s": spec.batch * spec.new_tokens / run.e2e_s,
                     "idle_us_per_step": None,
                     "busy_frac": None,
+                    "gpu_ms_per_step": None,
+                    "gap_us_per_step": None,
                 }
                 log(f"{tag}: decode step {step * 1e3:.2f} ms (median of {len(run.step_s)}), "
                     f"generate {run.e2e_s:.2f} s")  # fmt: skip
+                if spec.cuda:
+                    row.update(measure_gaps(engine, max(spec.profile_steps, 5)))
+                    log(f"{tag}: events: GPU {row['gpu_ms_per_step']:.2f} ms/step, "
+                        f"gap between steps {row['gap_us_per_step']:.0f} µs")  # fmt: skip
                 if spec.cuda and spec.profile_steps > 0:
                     log(f"{tag}: profiling {spec.profile_steps} decode steps (CUDA activity only)")
                     try:
@@ -798,14 +838,16 @@ def format_report(res: dict[str, Any]) -> str:
     if res["decode"]:
         out += [
             "",
-            "| ZOS | decode step ms | decode tok/s | GPU idle µs/step | GPU busy | attended/seq | bytes/step "
+            "| ZOS | decode step ms | decode tok/s | GPU ms/step (events) | gap between steps µs (events) "
+            "| GPU idle µs/step (profiler) | GPU busy | attended/seq | bytes/step "
             "(weights+KV) | GB/s | BW util | generate s | gen tok/s | vs transformers | peak GiB |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]  # fmt: skip
         for r in res["decode"]:
             busy = None if r["busy_frac"] is None else r["busy_frac"] * 100
             out.append(
                 f"| {'on' if r['zos'] else 'off'} | {r['step_ms_median']:.2f} | {r['decode_tok_s']:,.0f} | "
+                f"{_f(r.get('gpu_ms_per_step'), '.2f')} | {_f(r.get('gap_us_per_step'), '.0f')} | "
                 f"{_f(r['idle_us_per_step'], '.0f')} | {_f(busy, '.1f', '%')} | {r['attended_mean']:.0f} | "
                 f"{_size(r['bytes'])} | {r['gbps']:.4g} | {r['bw_util']:.1%} | {r['e2e_s']:.2f} | "
                 f"{r['gen_tok_s']:,.0f} | {_f(r.get('ratio_vs_hf'), '.2f', '×')} | {_f(r['peak_gib'], '.1f')} |"

@@ -112,3 +112,45 @@ def test_prompt_engine_captures_no_graphs(checkpoint):
         path, device="cuda", dtype="float32", max_model_len=256, engine_type=EngineType.PROMPT, num_gpu_blocks=512
     )
     assert llm.engine.worker.runner.graphs is None and not llm.engine.worker.runner.use_cuda_graph
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe", "deepseek_v3"])
+def test_overlapped_decode_step_waits_for_the_device_only_at_the_read_back(tmp_path, family):
+    """With zero-overhead scheduling a decode step's host work must not wait for the device: the
+    only synchronising call of a steady-state step is the previous step's read-back. Any other
+    (a pageable copy, an `.item()`) makes the GPU idle while the host schedules; the failure lists
+    where each wait came from."""
+    import traceback
+    import warnings
+
+    save_hf_checkpoint(family, tmp_path, seed=3)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(f"{TINY_MODEL_DIR}/{name}", tmp_path / name)
+    llm = LLM(str(tmp_path), device="cuda", dtype="bfloat16", max_model_len=256, max_num_seqs=32, num_gpu_blocks=512)
+    engine = llm.engine
+    engine.zero_overhead_scheduling = True
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, detokenize=False)
+    for i, p in enumerate(_prompts()):
+        engine.add_request(f"r{i}", prompt_token_ids=p, params=params)
+    for _ in range(6):  # prefill, then steady decode (graphs captured, allocator caches warm)
+        engine.step()
+    waits: list[str] = []
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        waits.append(f"{message}\n" + "".join(traceback.format_stack(limit=12)[:-1]))
+
+    steps = 5
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = record
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            for _ in range(steps):
+                engine.step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    other = [w for w in waits if "_read_back" not in w and "to_host" not in w]
+    assert not other, f"{len(other)} unexpected device waits in {steps} steps; first:\n" + "\n".join(other[:3])
+    assert len(waits) >= steps  # the read-back itself is seen: the check is live
+    while engine.has_unfinished_requests():
+        engine.step()

@@ -168,7 +168,13 @@ class Spec:
         profiled steps and the routing-count step, with a little slack."""
         measured = max(self.new_tokens, 1 + WARMUP_STEPS + MIN_DECODE_STEPS)
         profiled = self.profile_steps + PROFILER_WARMUP if self.cuda else 0
-        return measured + profiled + 4
+        gaps = self.gap_steps + 1 if self.cuda else 0
+        return measured + profiled + gaps + 4
+
+    @property
+    def gap_steps(self) -> int:
+        """Decode steps timed with CUDA events (`measure_gaps`)."""
+        return max(self.profile_steps, 5)
 
     @property
     def max_model_len(self) -> int:
@@ -739,7 +745,7 @@ def run_engine_bench(
                 log(f"{tag}: decode step {step * 1e3:.2f} ms (median of {len(run.step_s)}), "
                     f"generate {run.e2e_s:.2f} s")  # fmt: skip
                 if spec.cuda:
-                    row.update(measure_gaps(engine, max(spec.profile_steps, 5)))
+                    row.update(measure_gaps(engine, spec.gap_steps))
                     log(f"{tag}: events: GPU {row['gpu_ms_per_step']:.2f} ms/step, "
                         f"gap between steps {row['gap_us_per_step']:.0f} µs")  # fmt: skip
                 if spec.cuda and spec.profile_steps > 0:

@@ -10,12 +10,12 @@ chunks so that prompt logprobs of a long prompt never materialise a full
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
 
-from deepinfer_core.worker.events import to_device
+from deepinfer_core.worker.events import HostCopy, to_device
 
 _CHUNK_ELEMENTS = 1 << 24  # ~64 MiB of float32 per chunk
 
@@ -29,13 +29,18 @@ class QueuedLogprobs:
     top_ids: Optional[torch.Tensor]  # [N, K] int64, K = max(num_top) capped at V; None when K == 0
     top_logprobs: Optional[torch.Tensor]  # [N, K] float32
     num_top: list[int]
+    _copy: HostCopy = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:  # the read-back starts now, behind the kernels that fill it
+        self._copy = HostCopy([self.chosen, self.token_ids, self.top_ids, self.top_logprobs])
 
     def to_host(self) -> tuple[list[float], list[dict[int, float]]]:
         """(logprob of token_ids[i] per row, {token id: logprob} per row); waits for the device."""
-        chosen = self.chosen.tolist()
-        tokens = self.token_ids.tolist()
-        top_ids = self.top_ids.tolist() if self.top_ids is not None else None
-        top_lps = self.top_logprobs.tolist() if self.top_logprobs is not None else None
+        chosen_t, tokens_t, top_ids_t, top_lps_t = self._copy.wait()
+        chosen = chosen_t.tolist()
+        tokens = tokens_t.tolist()
+        top_ids = top_ids_t.tolist() if top_ids_t is not None else None
+        top_lps = top_lps_t.tolist() if top_lps_t is not None else None
         dicts = []
         for i in range(len(chosen)):
             k = self.num_top[i] if top_ids is not None else 0

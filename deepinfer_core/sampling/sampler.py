@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -24,7 +24,7 @@ import torch
 from deepinfer_core.sampling.logprobs import QueuedLogprobs, compute_prompt_logprobs, queue_logprobs
 from deepinfer_core.sampling.penalties import apply_min_tokens_mask, apply_penalties
 from deepinfer_core.sampling_params import SamplingParams
-from deepinfer_core.worker.events import to_device
+from deepinfer_core.worker.events import HostCopy, to_device
 
 __all__ = ["QueuedSample", "Sampler", "SamplerOutput", "SamplingRow", "compute_prompt_logprobs"]
 
@@ -56,10 +56,14 @@ class QueuedSample:
     token_ids: torch.Tensor  # [N] int64 on the logits' device, one sampled token per row
     logprobs: Optional[QueuedLogprobs]  # None if no row asked for logprobs
     asking: list[bool]  # per row: whether it asked for logprobs
+    _copy: HostCopy = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:  # the read-back starts now, behind the sampling kernels
+        self._copy = HostCopy([self.token_ids])
 
     def to_host(self) -> SamplerOutput:
-        """Read the sample back: this waits for the device."""
-        token_ids = self.token_ids.tolist()
+        """Read the sample back: this waits for the device (for this step's sampling only)."""
+        token_ids = self._copy.wait()[0].tolist()
         if self.logprobs is None:
             return SamplerOutput(token_ids=token_ids, logprobs=None, top_logprobs=None)
         chosen, tops = self.logprobs.to_host()

@@ -56,3 +56,32 @@ def to_device(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     if device.type != "cuda":
         return host.to(device)
     return host.pin_memory().to(device, non_blocking=True)
+
+
+class HostCopy:
+    """Device tensors on their way to the host, started now and read later.
+
+    `.tolist()` on a CUDA tensor copies on the current stream, so it waits for every kernel
+    queued so far, including a step launched after the one being read: with zero-overhead
+    scheduling that would make step N's read-back wait for step N+1 and leave the GPU idle while
+    the host post-processes. The copies are queued right after the tensors are produced instead
+    (pinned buffers, non-blocking) with an event behind them; `wait()` waits for that event only.
+    On CPU the tensors are returned as they are.
+    """
+
+    def __init__(self, tensors: list[torch.Tensor | None]):
+        self._event = None
+        if not any(t is not None and t.is_cuda for t in tensors):
+            self._host = tensors
+            return
+        self._host = [None if t is None else torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
+        for host, t in zip(self._host, tensors):
+            if t is not None:
+                host.copy_(t, non_blocking=True)
+        self._event = torch.cuda.Event()
+        self._event.record()
+
+    def wait(self) -> list[torch.Tensor | None]:
+        if self._event is not None:
+            self._event.synchronize()
+        return self._host

@@ -21,6 +21,7 @@ from typing import Optional
 from deepinfer_core.engine.llm_engine import LLMEngine
 from deepinfer_core.engine_type import EngineType
 from deepinfer_core.outputs import RequestOutput
+from deepinfer_core.sampling.sampler import replay_draws
 from deepinfer_core.sampling_params import SamplingParams
 from deepinfer_core.sequence import Sequence, SequenceStatus
 from deepinfer_core.transfer.layout import KVLayout
@@ -138,6 +139,7 @@ class CompletionEngine(LLMEngine):
         self.scheduler.commit_computed(seq)
         state = self.requests[notice.request_id]
         self._append_token(state, seq, notice.first_token, notice.first_logprob, notice.first_top_logprobs)
+        replay_draws(seq.generator, int(self.config.model.hf_config["vocab_size"]), seq.params)  # the PE's draw
         self.num_handoffs += 1
         if seq.is_finished:  # the first token already ended it (EOS, max_tokens=1, stop)
             self.scheduler.remove_seq(seq)

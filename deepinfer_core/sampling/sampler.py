@@ -176,6 +176,16 @@ def _exponential_race(probs: torch.Tensor, generators: list[Optional[torch.Gener
     return probs.div_(q).argmax(dim=-1)
 
 
+def replay_draws(generator: Optional[torch.Generator], vocab_size: int, params: SamplingParams) -> None:
+    """Advance a request's generator past what one sampled token takes from it (`_exponential_race`:
+    one Exp(1) row of the vocabulary's width; greedy draws nothing). An engine that continues a
+    request another engine began (a CE after the PE's first token) then draws what a single
+    engine would have drawn next, so seeded sampling gives the same tokens either way."""
+    if generator is None or params.is_greedy:
+        return
+    torch.empty(vocab_size, dtype=torch.float32, device=generator.device).exponential_(generator=generator)
+
+
 def _long(values: list[int], device: torch.device) -> torch.Tensor:
     return to_device(values, torch.long, device)
 

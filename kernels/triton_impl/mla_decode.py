@@ -148,8 +148,8 @@ def default_config(num_heads: int, lora: int, dtype: torch.dtype = torch.bfloat1
     if dtype == torch.float32:
         return {"BLOCK_H": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1, "per_sm": 1}
     if num_heads <= 16:  # memory-bound: one head tile, two programs per multiprocessor
-        return {"BLOCK_H": 16, "BLOCK_N": 32, "num_warps": 4, "num_stages": 3, "per_sm": 2}
-    return {"BLOCK_H": 64, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2, "per_sm": 1}
+        return {"BLOCK_H": 16, "BLOCK_N": 32, "num_warps": 4, "num_stages": 3, "per_sm": 2, "TAIL_ONLY": True}
+    return {"BLOCK_H": 64, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2, "per_sm": 1, "TAIL_ONLY": True}
 
 
 def _cand(h: int, n: int, warps: int, stages: int, per_sm: int, tail_only: bool) -> dict:

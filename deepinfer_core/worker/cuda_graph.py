@@ -7,6 +7,7 @@ padded rows write their K/V into the cache's scratch block and their outputs are
 
 from __future__ import annotations
 
+import gc
 import logging
 from typing import TYPE_CHECKING
 
@@ -47,13 +48,25 @@ class DecodeGraphs:
     def capture(cls, runner: ModelRunner) -> DecodeGraphs:
         self = cls(runner)
         pool = torch.cuda.graph_pool_handle()
-        for bs in reversed(self.buckets):  # largest first: smaller graphs reuse its memory
-            self._forward(bs)  # warm up (allocator, kernels' autotuning) outside the graph
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self.outputs[bs] = self._forward(bs)
-            self.graphs[bs] = graph
+        # Nothing but the forward may touch CUDA while a graph is captured. A garbage collection
+        # in the middle would free pinned host buffers of earlier steps, and the pinned allocator
+        # then queries their events: an illegal call that invalidates the capture. So collect
+        # first and keep the collector off; "thread_local" lets other threads (a NIXL progress
+        # thread) make their own CUDA calls meanwhile.
+        gc.collect()
+        gc_was_on = gc.isenabled()
+        gc.disable()
+        try:
+            for bs in reversed(self.buckets):  # largest first: smaller graphs reuse its memory
+                self._forward(bs)  # warm up (allocator, kernels' autotuning) outside the graph
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+                    self.outputs[bs] = self._forward(bs)
+                self.graphs[bs] = graph
+        finally:
+            if gc_was_on:
+                gc.enable()
         torch.cuda.synchronize()
         logger.info("captured decode CUDA graphs for batch sizes %s", self.buckets)
         return self

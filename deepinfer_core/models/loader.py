@@ -200,6 +200,18 @@ def check_loaded(model: nn.Module, seen: list[str], consumed: set[str]) -> None:
         raise ValueError(f"checkpoint has {len(unexpected)} tensor(s) the model does not use: {_listing(unexpected)}")
 
 
+def _init_weights(model: nn.Module, fill_matrix) -> None:
+    """Zero biases, ones for norms (1-D weights), `fill_matrix(param)` for matrices and embeddings."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("bias"):
+                param.zero_()
+            elif param.dim() == 1:
+                param.fill_(1.0)
+            else:
+                fill_matrix(param)
+
+
 def init_builtin_weights(model: nn.Module, seed: int, std: float) -> None:
     """Deterministic weights: normal(0, std) matrices and embeddings, ones for norms, zero biases.
 
@@ -207,33 +219,22 @@ def init_builtin_weights(model: nn.Module, seed: int, std: float) -> None:
     parameter's device, so every machine and every call gets the same values for a seed.
     """
     gen = torch.Generator(device="cpu").manual_seed(seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("bias"):
-                param.zero_()
-            elif param.dim() == 1:
-                param.fill_(1.0)
-            else:
-                param.copy_(torch.empty(param.shape, device="cpu").normal_(0.0, std, generator=gen))
+    _init_weights(model, lambda p: p.copy_(torch.empty(p.shape, device="cpu").normal_(0.0, std, generator=gen)))
 
 
 def init_dummy_weights(model: nn.Module, seed: int, std: float) -> None:
-    """Random weights for `load_format="dummy"`: normal(0, std) matrices and embeddings, ones for
-    norms, zero biases, drawn in place on each parameter's device (a CUDA model's 30B parameters
-    take a second, not the minutes a CPU generator would). Repeatable for a seed on one device kind.
+    """Random weights for `load_format="dummy"`: as `init_builtin_weights`, but drawn in place on
+    each parameter's device (a CUDA model's 30B parameters take a second, not the minutes a CPU
+    generator would). Repeatable for a seed on one device kind.
     """
     generators: dict[torch.device, torch.Generator] = {}
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("bias"):
-                param.zero_()
-            elif param.dim() == 1:
-                param.fill_(1.0)
-            else:
-                gen = generators.get(param.device)
-                if gen is None:
-                    gen = generators[param.device] = torch.Generator(device=param.device).manual_seed(seed)
-                param.normal_(0.0, std, generator=gen)
+
+    def fill(param: torch.Tensor) -> None:
+        if param.device not in generators:
+            generators[param.device] = torch.Generator(device=param.device).manual_seed(seed)
+        param.normal_(0.0, std, generator=generators[param.device])
+
+    _init_weights(model, fill)
 
 
 def check_context_limits(model: nn.Module, model_config: ModelConfig) -> None:

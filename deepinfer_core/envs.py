@@ -24,6 +24,7 @@ _SPECS: dict[str, tuple[Callable[[str], object], str]] = {
     "DEEPINFER_ENFORCE_EAGER": (_bool, "0"),
     "DEEPINFER_USE_NEXTN_DECODE": (int, "0"),
     "DEEPINFER_LOG_LEVEL": (str, "INFO"),
+    "DEEPINFER_NIXL_PROGRESS_DELAY_US": (int, "200"),
 }
 
 DEEPINFER_ZERO_OVERHEAD_SCHEDULING: bool
@@ -39,6 +40,8 @@ DEEPINFER_ENFORCE_EAGER: bool
 DEEPINFER_USE_NEXTN_DECODE: int
 """Draft tokens per decode step (MTP); sizes decode-side buffers."""
 DEEPINFER_LOG_LEVEL: str
+DEEPINFER_NIXL_PROGRESS_DELAY_US: int
+"""Pause of each NIXL agent's progress thread between rounds (0: spin, a whole core per engine)."""
 
 
 def rearm(*names: str) -> None:

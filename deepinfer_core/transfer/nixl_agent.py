@@ -13,14 +13,17 @@ called at registration time.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from deepinfer_core import envs
 from deepinfer_core.transfer.layout import KVLayout
 
 logger = logging.getLogger(__name__)
@@ -52,7 +55,8 @@ class NixlKVAgent:
         self.device_id = (kv_buffer.device.index or 0) if kv_buffer.is_cuda else 0
         self.base_addr = kv_buffer.data_ptr()
         self.num_blocks_total = int(kv_buffer.shape[1])
-        self._agent = nixl_agent(self.name, nixl_agent_config(backends=[backend]))
+        with _progress_thread_delay(envs.DEEPINFER_NIXL_PROGRESS_DELAY_US):
+            self._agent = nixl_agent(self.name, nixl_agent_config(backends=[backend]))
         self._reg = self._agent.register_memory(kv_buffer)
         self._peers: set[str] = set()
         self._local_dlist = None
@@ -198,3 +202,33 @@ class NixlKVAgent:
         if self._reg is not None:
             self._agent.deregister_memory(self._reg)
             self._reg = None
+
+
+@contextlib.contextmanager
+def _progress_thread_delay(delay_us: int) -> Iterator[None]:
+    """Agents made inside the block pause `delay_us` between progress-thread rounds.
+
+    nixl's Python agent fixes the pause at 0: its progress thread spins, a whole core per engine
+    process even when idle (measured: 0.98 of a core on the 2-core CI machine), and two spinning
+    agents there starved the engines so much that a 1 MiB write + notice + reply took 8.0 ms
+    instead of 0.42 ms with a 100 us pause. Transfers do not wait for the thread: polling a
+    transfer or the notices drives progress on the calling thread. The knob is a config field the
+    Python wrapper does not expose, so its config class is swapped for one that keeps our value
+    while the agent is built (the bindings' own class is restored on exit).
+    """
+    import nixl._api as api
+
+    base = api.nixlBind.nixlAgentConfig
+    if delay_us <= 0:
+        yield
+        return
+
+    class _Config(base):
+        def __setattr__(self, name: str, value) -> None:
+            super().__setattr__(name, max(int(value), delay_us) if name == "pthrDelay" else value)
+
+    api.nixlBind.nixlAgentConfig = _Config
+    try:
+        yield
+    finally:
+        api.nixlBind.nixlAgentConfig = base

@@ -54,13 +54,15 @@ def test_client_disconnect_mid_stream_frees_kv_on_prefill_and_decode(cluster):
     free0 = {pool: _stats(addr).free_blocks for pool, addr in workers.items()}
     body = {"prompt": "a long story " * 20, "max_tokens": 400, "stream": True, "ignore_eos": True}
     with httpx.stream("POST", f"{cluster.base_url}/completions", json=body, timeout=60) as r:
-        seen = 0
+        seen: list[str] = []
         for line in r.iter_lines():
-            seen += line.startswith("data: ")
-            if seen >= 3:
+            if line.startswith("data: "):
+                seen.append(line)
+            if len(seen) >= 3:
                 break
+        assert not any('"error"' in line for line in seen), seen  # a failed request would explain the rest
         ce = _stats(workers["decode"])
-        assert ce.requests == 1 and ce.free_blocks < free0["decode"]  # the request holds KV on the CE
+        assert ce.requests == 1 and ce.free_blocks < free0["decode"], (ce, seen)  # the request holds KV on the CE
     started = time.monotonic()
     assert wait_until(lambda: _stats(workers["decode"]).requests == 0, timeout_s=30), "the CE still holds the request"
     assert wait_until(lambda: _stats(workers["decode"]).free_blocks == free0["decode"], timeout_s=30)

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from deepinfer_core.pd.harness import PDPair
+from deepinfer_core.sampling_params import SamplingParams
 from tests.helpers.pd import ENGINE_ARGS, greedy, normal_reference, wait_free_blocks
-
 
 CE_BLOCKS = 512
 
@@ -84,8 +84,6 @@ def test_sixty_four_concurrent_handoffs_lose_nothing(pair):
 def test_seeded_sampling_equals_normal(pair):
     """A seeded request draws the same random numbers in P/D as in one engine: the PE draws the
     first token, the CE continues the same stream (it replays the PE's draw, not restarts it)."""
-    from deepinfer_core.sampling_params import SamplingParams
-
     prompts = _prompts()[1:5]
     params = SamplingParams(temperature=1.0, top_p=0.95, seed=1234, max_tokens=12, ignore_eos=True)
     want = normal_reference(prompts, params)

@@ -156,18 +156,18 @@ class Checker:
         H, lora, rope, page = (5, 40, 8, 4) if self.small else (10, 72, 24, 16)
         seq_lens = [1, 29, 13] if self.small else [1, 37, 300, 129]
         num_blocks, bt = self.paged(seq_lens, page)
-        # stale NaN in every slot no sequence owns (block 0 and the tail of each last block): a
-        # kernel that lets 0 * NaN into its accumulator fails here
-        bt = bt + 1
+        bt = bt + 1  # block 0 belongs to no sequence
         cache = self.randn(num_blocks + 1, page, lora + rope)
-        cache[0] = float("nan")
-        for i, n in enumerate(seq_lens):
-            if n % page:
-                cache[bt[i, (n - 1) // page].long(), n % page :] = float("nan")
         qn, qp = self.randn(len(seq_lens), H, lora), self.randn(len(seq_lens), H, rope)
         lens = torch.tensor(seq_lens, dtype=torch.int32, device=self.device)
         scale = (lora // 2 + rope) ** -0.5
         ref = mla_decode_attention_ref(qn.float(), qp.float(), cache.float(), bt, lens, scale)
+        # then stale NaN in every slot no sequence owns (block 0, the tail of each last block): a
+        # kernel that lets 0 * NaN into its accumulator fails here
+        cache[0] = float("nan")
+        for i, n in enumerate(seq_lens):
+            if n % page:
+                cache[bt[i, (n - 1) // page].long(), n % page :] = float("nan")
         impl = triton_module("mla_decode").mla_decode_attention
         default = triton_module("mla_decode").default_config(H, lora, qn.dtype)
         for splits, tail_only in ((None, False), (1, False), (3, False), (1, True), (3, True)):

@@ -28,6 +28,5 @@ def mla_decode_attention_ref(
     rows = latent_cache[block_tables.long()].reshape(B, 1, W * page, -1).to(q_nope.dtype)  # [B, 1, S, L+R]
     q = torch.cat([q_nope, q_pe], dim=-1)[:, None]  # [B, 1, H, L+R]: the heads are one MQA head's rows
     mask = torch.arange(W * page, device=q.device)[None, :] < seq_lens[:, None]  # [B, S]
-    rows = rows.masked_fill(~mask[:, None, :, None], 0)  # stale slots may hold NaN bits; 0 * NaN is NaN
     o = F.scaled_dot_product_attention(q, rows, rows[..., :lora], attn_mask=mask[:, None, None, :], scale=scale)
     return o[:, 0]

@@ -66,10 +66,10 @@ def build_model_input(
             last = min(end, seq.num_prompt_tokens - 1)  # position p scores token p + 1
             if last > start:
                 spans.append((i, row0, last - start, start))
-    width = max((len(s.block_table) for s in seqs), default=1)
-    table = torch.zeros((len(seqs), max(width, 1)), dtype=torch.int32)
-    for i, seq in enumerate(seqs):
-        table[i, : len(seq.block_table)] = torch.tensor(seq.block_table, dtype=torch.int32)
+    width = max(max((len(s.block_table) for s in seqs), default=1), 1)
+    table = [s.block_table + [0] * (width - len(s.block_table)) for s in seqs]  # one tensor build, not one per row
+    if not seqs:
+        table = torch.zeros((0, 1), dtype=torch.int32)
     qsl = [0]
     for q in query_lens:
         qsl.append(qsl[-1] + q)

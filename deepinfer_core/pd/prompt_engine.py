@@ -63,6 +63,7 @@ class PromptEngine(LLMEngine):
     def init_pd_split(self) -> None:
         self.layout = KVLayout.of(self.config.model.hf_config, self.cache.kv_buffer, self.config.cache.block_size)
         self.agent = NixlKVAgent(self.name, self.cache.kv_buffer, self.layout)
+        self.agent.prepare_writes()
         self.targets: dict[str, KVTarget] = {}
         self._handoff: list[Sequence] = []
         self._inflight: list[_Pending] = []

@@ -3,7 +3,7 @@
 The cache is one region `[num_layers, num_blocks_total, *block]`, so (layer, block) sits at
 `base + (layer * num_blocks_total + block) * block_bytes`. A hand-off writes every layer of
 a request's blocks in ONE transfer. Descriptor lists of every (layer, block) region are
-prepared once — the local one at the first write, a peer's at its first write — and a
+prepared once — the local one when a writer starts, a peer's at the first write to it — and a
 transfer is made from indices into them (NIXL merges neighbouring regions): building a
 request from fresh descriptors costs ~7 us per descriptor on the posting thread, which
 fragmented block tables would put on every hand-off. Peers are added (and connected) once and
@@ -96,6 +96,12 @@ class NixlKVAgent:
         bb, n = self.layout.block_bytes, self.layout.num_layers * num_blocks_total
         addrs = np.uint64(base) + np.arange(n, dtype=np.uint64) * np.uint64(bb)
         return np.stack([addrs, np.full(n, bb, dtype=np.uint64), np.full(n, device_id, dtype=np.uint64)], axis=1)
+
+    def prepare_writes(self) -> None:
+        """Prepare the local descriptor list now (a writer calls this at start-up): at production
+        cache sizes (~1.8 M layer-block regions) building it takes ~0.1-0.2 s, which would
+        otherwise land on the first hand-off's time-to-first-token."""
+        self._local_handle()
 
     def _local_handle(self):
         if self._local_dlist is None:

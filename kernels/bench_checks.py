@@ -234,6 +234,11 @@ class Checker:
             ref = fused_experts_ref(x.float(), w13.float(), w2.float(), weights, ids)
             out = ops.fused_experts(x, w13, w2, weights, ids, backend="triton")
             self.record("fused_experts", f"T={T} H={H} I={inter} E={E} k={k}", out, ref, self.tol())
+        # expert weights through TMA descriptors (the prefill tiles' loads on sm_90+), odd sizes
+        impl = triton_module("fused_moe")
+        up, down = (dict(c, TMA=True) for c in impl.default_configs(T * k, E, x.dtype))
+        out = impl.fused_experts(x, w13, w2, weights, ids, configs=(up, down))
+        self.record("fused_experts", f"T={T} H={H} I={inter} E={E} k={k} TMA", out, ref, self.tol())
 
     def all_checks(self) -> dict[str, Callable[[], None]]:
         return {

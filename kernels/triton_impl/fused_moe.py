@@ -4,8 +4,9 @@
 end); every block belongs to one expert. GEMM 1 computes gate and up for a tile of the
 intermediate dimension in the same program and writes silu(gate) * up (the [T*k, 2I]
 gate/up product never reaches memory). GEMM 2 multiplies by the down projection, scales each
-row by its routing weight and writes it at its (token, choice) row; the k rows of a token are
-then summed.
+row by its routing weight and writes it at its (token, choice) row; one more pass sums the k rows
+of each token. Prefill tiles read the expert weights through TMA descriptors on sm_90+ (the
+weights are regular tiles; the token rows are a gather and stay pointer loads).
 
 Roundings follow HF transformers' experts and the torch path (`SparseMoeBlock`) op for op, as
 the RMSNorm and rotary kernels do: gate and up are rounded to the activation dtype, silu(gate)
@@ -48,6 +49,7 @@ def _tile_ids(pid, num_m, num_n, GROUP_M: tl.constexpr):
 def _gate_up_kernel(
     x_ptr,
     w_ptr,
+    w_desc,
     act_ptr,
     sorted_ptr,
     expert_ptr,
@@ -67,11 +69,13 @@ def _gate_up_kernel(
     GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr,
     IEEE: tl.constexpr,
+    USE_TMA: tl.constexpr,
 ):
     pid_m, pid_n = _tile_ids(tl.program_id(0), num_m, tl.cdiv(N, BLOCK_N), GROUP_M)
     if pid_m * BLOCK_M >= tl.load(npad_ptr):
         return
-    expert = tl.load(expert_ptr + pid_m).to(tl.int64)
+    expert32 = tl.load(expert_ptr + pid_m)
+    expert = expert32.to(tl.int64)
     rows = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
     rmask = rows < num_rows
     tokens = (rows // TOP_K).to(tl.int64)
@@ -86,11 +90,16 @@ def _gate_up_kernel(
     for k0 in range(0, K, BLOCK_K):
         if EVEN_K:
             x = tl.load(x_ptrs, mask=rmask[:, None], other=0.0)
-            wg = tl.load(wg_ptrs, mask=nmask[None, :], other=0.0)
-            wu = tl.load(wu_ptrs, mask=nmask[None, :], other=0.0)
         else:
             kmask = offs_k < K - k0
             x = tl.load(x_ptrs, mask=rmask[:, None] & kmask[None, :], other=0.0)
+        if USE_TMA:  # weight tiles by TMA: rows past N are never stored, the K tail is zero-filled
+            wg = tl.trans(w_desc.load([expert32 * 2 * N + pid_n * BLOCK_N, k0]))
+            wu = tl.trans(w_desc.load([expert32 * 2 * N + N + pid_n * BLOCK_N, k0]))
+        elif EVEN_K:
+            wg = tl.load(wg_ptrs, mask=nmask[None, :], other=0.0)
+            wu = tl.load(wu_ptrs, mask=nmask[None, :], other=0.0)
+        else:
             wg = tl.load(wg_ptrs, mask=kmask[:, None] & nmask[None, :], other=0.0)
             wu = tl.load(wu_ptrs, mask=kmask[:, None] & nmask[None, :], other=0.0)
         acc_g = dot(x, wg, acc_g, IEEE)
@@ -109,6 +118,7 @@ def _gate_up_kernel(
 def _down_kernel(
     a_ptr,
     w_ptr,
+    w_desc,
     out_ptr,
     topk_w_ptr,
     sorted_ptr,
@@ -128,11 +138,13 @@ def _down_kernel(
     GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr,
     IEEE: tl.constexpr,
+    USE_TMA: tl.constexpr,
 ):
     pid_m, pid_n = _tile_ids(tl.program_id(0), num_m, tl.cdiv(N, BLOCK_N), GROUP_M)
     if pid_m * BLOCK_M >= tl.load(npad_ptr):
         return
-    expert = tl.load(expert_ptr + pid_m).to(tl.int64)
+    expert32 = tl.load(expert_ptr + pid_m)
+    expert = expert32.to(tl.int64)
     rows = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
     rmask = rows < num_rows
     rows64 = rows.to(tl.int64)
@@ -145,10 +157,14 @@ def _down_kernel(
     for k0 in range(0, K, BLOCK_K):
         if EVEN_K:
             a = tl.load(a_ptrs, mask=rmask[:, None], other=0.0)
-            w = tl.load(w_ptrs, mask=nmask[None, :], other=0.0)
         else:
             kmask = offs_k < K - k0
             a = tl.load(a_ptrs, mask=rmask[:, None] & kmask[None, :], other=0.0)
+        if USE_TMA:
+            w = tl.trans(w_desc.load([expert32 * N + pid_n * BLOCK_N, k0]))
+        elif EVEN_K:
+            w = tl.load(w_ptrs, mask=nmask[None, :], other=0.0)
+        else:
             w = tl.load(w_ptrs, mask=kmask[:, None] & nmask[None, :], other=0.0)
         acc = dot(a, w, acc, IEEE)
         a_ptrs += BLOCK_K
@@ -158,6 +174,27 @@ def _down_kernel(
     acc = acc.to(out_ptr.dtype.element_ty).to(tl.float32) * weight[:, None]
     o_ptrs = out_ptr + rows64[:, None] * stride_om + offs_n[None, :]
     tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=rmask[:, None] & nmask[None, :])
+
+
+@triton.jit
+def _sum_choices_kernel(rows_ptr, out_ptr, H, TOP_K: tl.constexpr, BLOCK_H: tl.constexpr):
+    """out[t] = sum of the token's TOP_K weighted expert rows, in fp32, rounded once (as torch's sum)."""
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask = offs < H
+    acc = tl.zeros([BLOCK_H], tl.float32)
+    for j in range(TOP_K):
+        acc += tl.load(rows_ptr + (t * TOP_K + j) * H + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + t * H + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def sum_choices(rows: torch.Tensor, top_k: int) -> torch.Tensor:
+    """[T * k, H] -> [T, H]: one pass at copy speed (torch's strided sum over k reached ~70 % of it)."""
+    TK, H = rows.shape
+    out = torch.empty((TK // top_k, H), dtype=rows.dtype, device=rows.device)
+    block_h = 16 if small_tiles() else min(1024, triton.next_power_of_2(H))
+    _sum_choices_kernel[(TK // top_k, triton.cdiv(H, block_h))](rows, out, H, TOP_K=top_k, BLOCK_H=block_h, num_warps=4)
+    return out
 
 
 def default_configs(num_rows: int, num_experts: int, dtype: torch.dtype = torch.bfloat16) -> tuple[dict, dict]:
@@ -174,8 +211,9 @@ def default_configs(num_rows: int, num_experts: int, dtype: torch.dtype = torch.
         up = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 1, "num_warps": 4, "num_stages": 4}
         down = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 1, "num_warps": 4, "num_stages": 4}
         return up, down
-    up = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 3}
-    down = {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 3}
+    # prefill: expert weights by TMA (sm_90+; pointer loads elsewhere), 7-11 % faster than pointer loads
+    up = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 3, "TMA": True}
+    down = {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 3, "TMA": True}
     return up, down
 
 
@@ -196,7 +234,37 @@ PREFILL_CANDIDATES = [  # (gate/up, down) pairs
         {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 4, "num_stages": 4},
         {"BLOCK_M": 64, "BLOCK_N": 256, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 3},
     ),
+    # expert weights through TMA descriptors
+    (
+        {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 3, "TMA": True},
+        {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 3, "TMA": True},
+    ),
+    (
+        {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 4, "TMA": True},
+        {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 4, "TMA": True},
+    ),
+    (
+        {"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 8, "num_warps": 8, "num_stages": 3, "TMA": True},
+        {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 8, "num_warps": 8, "num_stages": 3, "TMA": True},
+    ),
+    (
+        {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 16, "num_warps": 8, "num_stages": 4, "TMA": True},
+        {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 16, "num_warps": 8, "num_stages": 4, "TMA": True},
+    ),
 ]
+
+
+def _weight_desc(w: torch.Tensor, cfg: dict):
+    """A TMA descriptor over the expert weights viewed as [E * rows, K], for configs that ask for
+    one (`TMA`) on a GPU with TMA (sm_90+) or in the interpreter; None: pointer loads."""
+    if not cfg.get("TMA") or not w.is_contiguous() or (w.shape[-1] * w.element_size()) % 16:
+        return None
+    if w.is_cuda and torch.cuda.get_device_capability(w.device)[0] < 9:
+        return None
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    flat = w.view(-1, w.shape[-1])
+    return TensorDescriptor.from_tensor(flat, [cfg["BLOCK_N"], cfg["BLOCK_K"]])
 
 
 def _launch(kernel, cfg: dict, num_m: int, n: int, *args, **kwargs) -> None:
@@ -231,16 +299,19 @@ def fused_experts(
     sorted_ids, expert_ids, npad = moe_align(topk_ids, E, up_cfg["BLOCK_M"])
     num_m = expert_ids.numel()
     act = torch.empty((rows, inter), dtype=hidden.dtype, device=hidden.device)
+    up_desc, down_desc = _weight_desc(w13, up_cfg), _weight_desc(w2, down_cfg)
     _launch(
         _gate_up_kernel, up_cfg, num_m, inter,
-        hidden, w13, act, sorted_ids, expert_ids, npad, rows, num_m, H, inter, k,
+        hidden, w13, up_desc, act, sorted_ids, expert_ids, npad, rows, num_m, H, inter, k,
         hidden.stride(0), w13.stride(0), w13.stride(1), act.stride(0), EVEN_K=H % up_cfg["BLOCK_K"] == 0, IEEE=ieee(hidden),
+        USE_TMA=up_desc is not None,
     )  # fmt: skip
     out = torch.empty((rows, H), dtype=hidden.dtype, device=hidden.device)
     weights = topk_weights.reshape(-1).to(torch.float32)
     _launch(
         _down_kernel, down_cfg, num_m, H,
-        act, w2, out, weights, sorted_ids, expert_ids, npad, rows, num_m, inter, H,
+        act, w2, down_desc, out, weights, sorted_ids, expert_ids, npad, rows, num_m, inter, H,
         act.stride(0), w2.stride(0), w2.stride(1), out.stride(0), EVEN_K=inter % down_cfg["BLOCK_K"] == 0, IEEE=ieee(hidden),
+        USE_TMA=down_desc is not None,
     )  # fmt: skip
-    return out.view(T, k, H).sum(dim=1)
+    return sum_choices(out, k)

@@ -6,7 +6,10 @@ into a CE. Variants, all in one run:
   * `init/<split>`: `initialize_xfer` with the payload cut into descriptors of `<split>` bytes
     (`whole` = one descriptor per layer-sized run of `--run-mib`);
   * `prep/<split>`: descriptor lists prepared once (`prep_xfer_dlist`) and a transfer made from
-    indices (`make_prepped_xfer`), the way a long-lived engine can address blocks.
+    indices (`make_prepped_xfer`), the way a long-lived engine can address blocks;
+  * `prepN/<split>`: the same payload as N transfers posted together (N = `--concurrent`).
+`--op READ` makes the initiator pull the bytes from the peer instead of pushing them (the data
+then flows dst -> src, and the copy reference runs that way too).
 Columns: prepare = building the request, post = `transfer()`, wait = post to DONE, GB/s of
 the whole, and ratio = copy time / whole time.
 
@@ -64,6 +67,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--num-threads", type=int, default=0, help="UCX workers of each agent (0: NIXL's default)")
     ap.add_argument("--label", default="")
+    ap.add_argument("--op", choices=["WRITE", "READ"], default="WRITE")
+    ap.add_argument("--concurrent", type=int, default=4, help="transfers a prepN variant splits the payload into")
     args = ap.parse_args()
     total_max = max(args.sizes_mib) * MiB
     ctx = mp.get_context("spawn")
@@ -84,19 +89,22 @@ def main() -> None:
 
     def run_once(make) -> tuple[float, float, float]:
         t0 = time.perf_counter()
-        handle = make()
+        made = make()
+        handles = made if isinstance(made, list) else [made]
         t1 = time.perf_counter()
-        state = agent.transfer(handle)
+        states = [agent.transfer(h) for h in handles]
         t2 = time.perf_counter()
-        while state != "DONE":
-            state = agent.check_xfer_state(handle)
-            if state == "ERR":
-                raise RuntimeError("transfer failed")
+        for h, state in zip(handles, states):
+            while state != "DONE":
+                state = agent.check_xfer_state(h)
+                if state == "ERR":
+                    raise RuntimeError("transfer failed")
         t3 = time.perf_counter()
-        agent.release_xfer_handle(handle)
+        for h in handles:
+            agent.release_xfer_handle(h)
         return t1 - t0, t2 - t1, t3 - t0
 
-    print(f"# {args.label} {args.src} -> {args.dst}", flush=True)
+    print(f"# {args.label} {args.op} {args.src} -> {args.dst}", flush=True)
     print(f"{'MiB':>6} {'variant':<16} {'descs':>6} {'prepare us':>10} {'post us':>8} {'total ms':>9} "
           f"{'GB/s':>7} {'copy GB/s':>9} {'ratio':>6}")  # fmt: skip
     dst_local = None
@@ -110,7 +118,10 @@ def main() -> None:
         for _ in range(args.reps + 1):
             _sync(args.src, args.dst)
             t = time.perf_counter()
-            ref_dst[:total].copy_(src[:total])
+            if args.op == "WRITE":
+                ref_dst[:total].copy_(src[:total])
+            else:  # the bytes flow from the peer's device to the initiator's
+                src[:total].copy_(ref_dst[:total])
             _sync(args.src, args.dst)
             times.append(time.perf_counter() - t)
         copy_t = statistics.median(times[1:])
@@ -122,7 +133,7 @@ def main() -> None:
 
             def make_init(ld=ld, rd=rd):
                 return agent.initialize_xfer(
-                    "WRITE", agent.get_xfer_descs(ld, local_mem), agent.get_xfer_descs(rd, remote_mem), peer
+                    args.op, agent.get_xfer_descs(ld, local_mem), agent.get_xfer_descs(rd, remote_mem), peer
                 )
 
             lp = agent.prep_xfer_dlist("NIXL_INIT_AGENT", agent.get_xfer_descs(ld, local_mem))
@@ -130,9 +141,16 @@ def main() -> None:
             idx = np.arange(len(ld))
 
             def make_prep(lp=lp, rp=rp, idx=idx):
-                return agent.make_prepped_xfer("WRITE", lp, idx, rp, idx)
+                return agent.make_prepped_xfer(args.op, lp, idx, rp, idx)
 
-            for name, make in ((f"init/{tag}", make_init), (f"prep/{tag}", make_prep)):
+            def make_prep_n(lp=lp, rp=rp, idx=idx):
+                parts = np.array_split(idx, min(args.concurrent, len(idx)))
+                return [agent.make_prepped_xfer(args.op, lp, p, rp, p) for p in parts]
+
+            variants = [(f"init/{tag}", make_init), (f"prep/{tag}", make_prep)]
+            if args.concurrent > 1 and len(idx) > 1:
+                variants.append((f"prep{args.concurrent}/{tag}", make_prep_n))
+            for name, make in variants:
                 run_once(make)  # warm-up (first use of a region maps it on the peer)
                 runs = [run_once(make) for _ in range(args.reps)]
                 prep = statistics.median(r[0] for r in runs)

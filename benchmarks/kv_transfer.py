@@ -156,7 +156,7 @@ def main() -> None:
             EngineArgs(engine_type=EngineType.PROMPT, device=args.pe_device, num_gpu_blocks=blocks, **common)
         )
         normal = LLMEngine.from_engine_args(EngineArgs(device=args.pe_device, num_gpu_blocks=blocks, **common))
-        pe.connect_peer(ce.info["agent_name"], ce.info["agent_metadata"])
+        pe.connect_peer(ce.info["agent_name"], ce.info["agent_metadata"], ce.info["kv_region"])
         handoff(pe, ce, "warmup", list(range(1, 64)))
         normal_ttft(normal, "warmup", list(range(1, 64)))
         for n in args.lengths:

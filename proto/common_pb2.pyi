@@ -113,7 +113,7 @@ class SampleDelta(_message.Message):
     def __init__(self, index: _Optional[int] = ..., token_offset: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., text_offset: _Optional[int] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[str] = ..., stop_token_id: _Optional[int] = ..., stop_string: _Optional[str] = ..., error: _Optional[str] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("worker_id", "pool", "engine_type", "address", "metrics_address", "agent_name", "agent_metadata", "model", "max_model_len", "block_size", "num_blocks", "max_num_seqs", "pid")
+    __slots__ = ("worker_id", "pool", "engine_type", "address", "metrics_address", "agent_name", "agent_metadata", "model", "max_model_len", "block_size", "num_blocks", "max_num_seqs", "pid", "kv_region")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     POOL_FIELD_NUMBER: _ClassVar[int]
     ENGINE_TYPE_FIELD_NUMBER: _ClassVar[int]
@@ -127,6 +127,7 @@ class WorkerInfo(_message.Message):
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     MAX_NUM_SEQS_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
+    KV_REGION_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     pool: Pool
     engine_type: EngineType
@@ -140,7 +141,24 @@ class WorkerInfo(_message.Message):
     num_blocks: int
     max_num_seqs: int
     pid: int
-    def __init__(self, worker_id: _Optional[str] = ..., pool: _Optional[_Union[Pool, str]] = ..., engine_type: _Optional[_Union[EngineType, str]] = ..., address: _Optional[str] = ..., metrics_address: _Optional[str] = ..., agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., pid: _Optional[int] = ...) -> None: ...
+    kv_region: KVRegion
+    def __init__(self, worker_id: _Optional[str] = ..., pool: _Optional[_Union[Pool, str]] = ..., engine_type: _Optional[_Union[EngineType, str]] = ..., address: _Optional[str] = ..., metrics_address: _Optional[str] = ..., agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., pid: _Optional[int] = ..., kv_region: _Optional[_Union[KVRegion, _Mapping]] = ...) -> None: ...
+
+class KVRegion(_message.Message):
+    __slots__ = ("base_addr", "num_blocks_total", "device_id", "mem_type", "fingerprint", "layout")
+    BASE_ADDR_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_ID_FIELD_NUMBER: _ClassVar[int]
+    MEM_TYPE_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    base_addr: int
+    num_blocks_total: int
+    device_id: int
+    mem_type: str
+    fingerprint: str
+    layout: str
+    def __init__(self, base_addr: _Optional[int] = ..., num_blocks_total: _Optional[int] = ..., device_id: _Optional[int] = ..., mem_type: _Optional[str] = ..., fingerprint: _Optional[str] = ..., layout: _Optional[str] = ...) -> None: ...
 
 class WorkerLoad(_message.Message):
     __slots__ = ("worker_id", "queued_prompt_tokens", "running_requests", "waiting_requests", "total_kv_tokens", "kv_usage", "free_blocks", "num_blocks", "requests", "reservations", "prefix_queries", "prefix_hits", "kv_transfer_bytes", "handoffs", "draining", "open_streams")

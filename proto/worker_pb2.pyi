@@ -78,12 +78,14 @@ class AbortReply(_message.Message):
     def __init__(self, found: _Optional[bool] = ...) -> None: ...
 
 class ConnectPeerRequest(_message.Message):
-    __slots__ = ("agent_name", "agent_metadata")
+    __slots__ = ("agent_name", "agent_metadata", "region")
     AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
     AGENT_METADATA_FIELD_NUMBER: _ClassVar[int]
+    REGION_FIELD_NUMBER: _ClassVar[int]
     agent_name: str
     agent_metadata: bytes
-    def __init__(self, agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ...) -> None: ...
+    region: _common_pb2.KVRegion
+    def __init__(self, agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., region: _Optional[_Union[_common_pb2.KVRegion, _Mapping]] = ...) -> None: ...
 
 class ConnectPeerReply(_message.Message):
     __slots__ = ()

@@ -73,7 +73,8 @@ class PrefillServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ConnectPeer(self, request, context):
-        """Connect to a CE's transfer agent ahead of its first hand-off (called at registration).
+        """Connect to a CE's transfer agent and prepare its transfer descriptors ahead of its first
+        hand-off (called at registration). FAILED_PRECONDITION for a CE whose KV layout differs.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

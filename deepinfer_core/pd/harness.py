@@ -100,8 +100,8 @@ class _Server:
     def add_request(self, request_id, params, prompt_token_ids):
         self.engine.add_request(request_id, params=params, prompt_token_ids=prompt_token_ids)
 
-    def connect_peer(self, name, metadata):
-        self.engine.connect_peer(name, metadata)
+    def connect_peer(self, name, metadata, region=None):
+        self.engine.connect_peer(name, metadata, region)
 
     def abort(self, request_id):
         self.engine.abort_request(request_id)
@@ -112,7 +112,7 @@ class _Server:
         return outputs, results
 
     def stats(self):
-        sched = self.engine.scheduler
+        sched, agent = self.engine.scheduler, getattr(self.engine, "agent", None)
         return {
             "free_blocks": sched.block_manager.num_free_blocks,
             "num_blocks": sched.block_manager.num_blocks,
@@ -125,6 +125,7 @@ class _Server:
             "handoffs": getattr(self.engine, "num_handoffs", 0),
             "prefix_hit_tokens": sched.block_manager.prefix_hits,
             "lease_expiries": getattr(self.engine, "num_lease_expiries", 0),
+            "remote_lists": agent.num_remote_lists if agent is not None else 0,
         }
 
     def pump(self) -> bool:
@@ -155,6 +156,7 @@ def _serve(conn, engine_type: EngineType, engine_args: dict[str, Any]) -> None:
                 "name": engine.name,
                 "agent_name": agent.name if agent else None,
                 "agent_metadata": agent.metadata if agent else None,
+                "kv_region": agent.region if agent else None,
             },
         )
     )
@@ -186,7 +188,9 @@ class PDPair:
             EngineType.COMPLETION, {**self.engine_args, "stop_preempted_request": True, **self.ce_args}
         )
         self.pe = EngineProcess(EngineType.PROMPT, {**self.engine_args, **self.pe_args})
-        self.pe.call("connect_peer", self.ce.info["agent_name"], self.ce.info["agent_metadata"])
+        self.pe.call(
+            "connect_peer", self.ce.info["agent_name"], self.ce.info["agent_metadata"], self.ce.info["kv_region"]
+        )
         self._ids = 0
 
     def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, lease_s: float = 30.0):

@@ -1,30 +1,36 @@
 """PromptEngine (PE): prefills, samples the first token, writes the KV into a CE's blocks.
 
 Hook bodies (SPEC §2, §4):
-- post_schedule: record which sequences complete their prompt this step (to hand off);
+- post_schedule: record which sequences complete their prompt this step (to hand off),
+  and which computed only a chunk of it;
 - pe_prepare_save_kvcache: once the forward has written the KV, post the NIXL WRITEs
-  (all layers of a request in one transfer) and return without waiting — sampling
-  still runs;
-- pe_do_save_kvcache: wait for each write (or its error / timeout) and record it;
+  (all layers of a request's blocks in one transfer) and return without waiting —
+  sampling still runs. A chunk that does not end its prompt already sends the blocks it
+  filled (DEEPINFER_PD_STREAM_CHUNKS), so they travel while the next chunk computes and
+  only the last chunk's blocks are left for the hand-off;
+- pe_do_save_kvcache: wait for each finished prompt's writes (or an error / timeout) and
+  record them; reap chunk writes that have already landed;
 - send_processed_prompts: notify each CE (first token, computed length), drop the
   sequence from the scheduler, and only then free the PE's blocks.
-A PE never calls finalize_seq: its blocks are in flight until the hand-off completes.
+A PE never calls finalize_seq: its blocks are in flight until the hand-off completes, and
+an abort waits for a chunk write in flight before the blocks are freed.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
+from deepinfer_core import envs
 from deepinfer_core.engine.llm_engine import LLMEngine
 from deepinfer_core.engine_type import EngineType
 from deepinfer_core.sampling_params import SamplingParams
 from deepinfer_core.scheduler.outputs import SchedulerOutputs
 from deepinfer_core.sequence import Sequence
 from deepinfer_core.transfer.layout import KVLayout
-from deepinfer_core.transfer.messages import HandoffNotice, KVTarget
+from deepinfer_core.transfer.messages import HandoffNotice, KVRegion, KVTarget
 from deepinfer_core.transfer.nixl_agent import NixlKVAgent, Transfer, TransferError
 
 logger = logging.getLogger(__name__)
@@ -40,17 +46,28 @@ class HandoffResult:
     num_computed_tokens: int = 0
     num_bytes: int = 0
     seconds: float = 0.0
-    """Posting to completion of the KV write."""
+    """First post (an early chunk's, when streamed) to completion of the last KV write."""
+    exposed_seconds: float = 0.0
+    """From posting the last chunk's blocks to completion: what the hand-off adds to TTFT."""
     error: Optional[str] = None
 
 
 @dataclass
 class _Pending:
+    """One request's writes to its CE: chunk writes first (streamed), the hand-off's last."""
+
     seq: Sequence
     target: KVTarget
-    transfer: Optional[Transfer] = None
+    transfers: list[Transfer] = field(default_factory=list)
+    """Posted and not yet known to be done."""
+    sent_blocks: int = 0
+    """Blocks of the block table posted so far (a prefix)."""
+    num_bytes: int = 0
+    first_post: float = 0.0
+    last_post: float = 0.0
     error: Optional[str] = None
     seconds: float = 0.0
+    exposed_seconds: float = 0.0
 
 
 class PromptEngine(LLMEngine):
@@ -66,14 +83,25 @@ class PromptEngine(LLMEngine):
         self.agent.prepare_writes()
         self.targets: dict[str, KVTarget] = {}
         self._handoff: list[Sequence] = []
+        self._chunks: list[tuple[Sequence, int]] = []  # (seq, tokens computed once this step ends)
+        self._streams: dict[str, _Pending] = {}  # mid-prompt requests with chunk writes posted
         self._inflight: list[_Pending] = []
         self._done: list[_Pending] = []
         self.handoff_results: list[HandoffResult] = []
 
     # ---- admission ---------------------------------------------------------------------
-    def connect_peer(self, name: str, metadata: bytes) -> None:
-        """Connect to a CE ahead of its first hand-off (at registration, not on a request's path)."""
-        self.agent.add_peer(name, metadata)
+    def connect_peer(self, name: str, metadata: bytes, region: Optional[KVRegion] = None) -> None:
+        """Connect to a CE ahead of its first hand-off (at registration, not on a request's path).
+
+        With the CE's KV `region`, its descriptor list is prepared now too, so no request pays
+        for it. Raises ValueError (and connects nothing) for a CE whose KV layout differs.
+        """
+        if region is not None and region.fingerprint and region.fingerprint != self.layout.fingerprint:
+            raise ValueError(
+                f"KV layout mismatch with decode engine {name!r}: it has [{region.layout or region.fingerprint}], "
+                f"this prefill engine has [{self.layout.describe()}]"
+            )
+        self.agent.add_peer(name, metadata, region)
 
     def add_prefill(
         self,
@@ -109,7 +137,11 @@ class PromptEngine(LLMEngine):
         return seq
 
     def abort_request(self, request_id: str) -> None:
-        """Between steps no write is in flight: tell the CE its reserved blocks are free again."""
+        """Wait out the request's chunk writes still in flight (they read its PE blocks and land
+        in the CE's), then free and tell the CE its reserved blocks are free again."""
+        stream = self._streams.pop(request_id, None)
+        if stream is not None:
+            self._wait_all(stream)
         super().abort_request(request_id)
         target = self.targets.pop(request_id, None)
         if target is not None:
@@ -121,46 +153,83 @@ class PromptEngine(LLMEngine):
 
     # ---- hooks ----------------------------------------------------------------------------
     def post_schedule(self, out: SchedulerOutputs) -> None:
-        self._handoff = [s for i, s in enumerate(out.scheduled_seqs) if out.samples(i)]
+        self._handoff, self._chunks = [], []
+        for i, seq in enumerate(out.scheduled_seqs):
+            if out.samples(i):
+                self._handoff.append(seq)
+            elif envs.DEEPINFER_PD_STREAM_CHUNKS and seq.request_id in self.targets:
+                self._chunks.append((seq, seq.num_cached_tokens + out.num_new_tokens[i]))
 
     def pe_prepare_save_kvcache(self, scheduled: list[Sequence], finished: list[Sequence]) -> None:
-        if not self._handoff:
+        if not self._handoff and not self._chunks:
             return
         self.worker.runner.wait_forward()  # the WRITE reads KV the forward has just produced
-        bm = self.scheduler.block_manager
+        bs = self.scheduler.block_manager.block_size
+        for seq, computed in self._chunks:  # only full blocks: the next chunk still writes the last one
+            stream = self._streams.setdefault(seq.request_id, _Pending(seq, self.targets[seq.request_id]))
+            self._post(stream, computed // bs)
         for seq in self._handoff:
-            target = self.targets[seq.request_id]
-            pending = _Pending(seq, target)
-            blocks = seq.block_table[: bm.blocks_needed(len(seq))]
-            if target.expires_at and time.time() > target.expires_at:
-                pending.error = "the KV reservation expired before the prefill finished"
-                self._inflight.append(pending)
-                continue
-            try:
-                pending.transfer = self.agent.write_blocks(
-                    target.engine_id,
-                    blocks,
-                    target.base_addr,
-                    target.num_blocks_total,
-                    target.block_ids,
-                    target.device_id,
-                    target.mem_type,
-                )
-            except Exception as e:  # a dead peer can fail at post time
-                pending.error = str(e)
+            pending = self._streams.pop(seq.request_id, None) or _Pending(seq, self.targets[seq.request_id])
+            pending.last_post = time.monotonic()
+            self._post(pending, self.scheduler.block_manager.blocks_needed(len(seq)))
             self._inflight.append(pending)
-        self._handoff = []
+        self._handoff, self._chunks = [], []
+
+    def _post(self, pending: _Pending, upto: int) -> None:
+        """Post a WRITE of blocks [sent_blocks, upto) of the request's table into the same CE blocks."""
+        target = pending.target
+        if pending.error is not None or upto <= pending.sent_blocks:
+            return
+        if target.expires_at and time.time() > target.expires_at:
+            pending.error = "the KV reservation expired before the prefill finished"
+            return
+        first, blocks = pending.sent_blocks, pending.seq.block_table
+        try:
+            transfer = self.agent.write_blocks(
+                target.engine_id,
+                blocks[first:upto],
+                target.base_addr,
+                target.num_blocks_total,
+                target.block_ids[first:upto],
+                target.device_id,
+                target.mem_type,
+            )
+        except Exception as e:  # a dead peer can fail at post time
+            pending.error = str(e)
+            return
+        pending.transfers.append(transfer)
+        pending.sent_blocks = upto
+        pending.first_post = pending.first_post or transfer.started
+
+    def _wait_all(self, pending: _Pending) -> None:
+        """Wait for every posted write of the request; the first failure is its error."""
+        for transfer in pending.transfers:
+            try:
+                self.agent.wait(transfer, self.transfer_timeout_s)
+                pending.num_bytes += transfer.num_bytes
+            except TransferError as e:
+                pending.error = pending.error or str(e)
+        pending.transfers = []
 
     def pe_do_save_kvcache(self, scheduled: list[Sequence], finished: list[Sequence]) -> None:
         for pending in self._inflight:
-            if pending.transfer is not None:
-                try:
-                    self.agent.wait(pending.transfer, self.transfer_timeout_s)
-                except TransferError as e:
-                    pending.error = str(e)
-                pending.seconds = time.monotonic() - pending.transfer.started
+            if pending.transfers:
+                self._wait_all(pending)
+                done = time.monotonic()
+                pending.seconds, pending.exposed_seconds = done - pending.first_post, done - pending.last_post
             self._done.append(pending)
         self._inflight = []
+        for stream in self._streams.values():  # chunk writes: release the ones that have landed
+            still = []
+            for transfer in stream.transfers:
+                try:
+                    if self.agent.reap(transfer):
+                        stream.num_bytes += transfer.num_bytes
+                    else:
+                        still.append(transfer)
+                except TransferError as e:
+                    stream.error = stream.error or str(e)
+            stream.transfers = still
 
     def send_processed_prompts(self) -> None:
         for pending in self._done:
@@ -188,15 +257,15 @@ class PromptEngine(LLMEngine):
         self.scheduler.free_seq(seq)  # ownership has moved to the CE (or the request failed)
         self.targets.pop(seq.request_id, None)
         self.requests.pop(seq.request_id, None)
-        num_bytes = pending.transfer.num_bytes if pending.transfer is not None else 0
         self.handoff_results.append(
             HandoffResult(
                 seq.request_id,
                 ok,
                 notice.first_token,
                 notice.num_computed_tokens,
-                num_bytes,
+                pending.num_bytes,
                 pending.seconds,
+                pending.exposed_seconds,
                 pending.error,
             )
         )

@@ -1,7 +1,9 @@
-"""What crosses between a CE and a PE: the KV target and the hand-off notice.
+"""What crosses between a CE and a PE: the CE's KV region, the KV target and the hand-off notice.
 
-Both are versioned JSON (agent metadata is base64), never pickle: they cross process and
-host boundaries and may come from a different build.
+`KVRegion` is published once, when a CE registers (a PE prepares its descriptor list for it
+then; it travels in the `KVRegion` proto of `WorkerInfo` / `ConnectPeerRequest`). The target
+and the notice travel with every request as versioned JSON (agent metadata is base64), never
+pickle: they cross process and host boundaries and may come from a different build.
 """
 
 from __future__ import annotations
@@ -29,6 +31,23 @@ def _load(kind: str, data: bytes) -> dict:
     if version != WIRE_VERSION:
         raise ValueError(f"{kind} wire version {version} is not supported (this build speaks {WIRE_VERSION})")
     return obj
+
+
+@dataclass(frozen=True)
+class KVRegion:
+    """A CE's whole KV buffer `[num_layers, num_blocks_total, *block]`, as a PE addresses it."""
+
+    base_addr: int
+    """Address of the buffer."""
+    num_blocks_total: int
+    """Blocks per layer (the layer stride, in blocks)."""
+    device_id: int
+    mem_type: str
+    """'DRAM' or 'VRAM'."""
+    fingerprint: str = ""
+    """The CE's KV layout fingerprint ("" when unknown: not checked)."""
+    layout: str = ""
+    """Human-readable layout, for error messages."""
 
 
 @dataclass

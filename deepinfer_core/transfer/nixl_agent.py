@@ -3,12 +3,15 @@
 The cache is one region `[num_layers, num_blocks_total, *block]`, so (layer, block) sits at
 `base + (layer * num_blocks_total + block) * block_bytes`. A hand-off writes every layer of
 a request's blocks in ONE transfer. Descriptor lists of every (layer, block) region are
-prepared once — the local one when a writer starts, a peer's at the first write to it — and a
-transfer is made from indices into them (NIXL merges neighbouring regions): building a
-request from fresh descriptors costs ~7 us per descriptor on the posting thread, which
-fragmented block tables would put on every hand-off. Peers are added (and connected) once and
-cached: the connection set-up (tens of ms) never sits on a request's path when `add_peer` is
-called at registration time.
+prepared once and a transfer is made from indices into them (NIXL merges neighbouring
+regions): building a request from fresh descriptors costs ~7 us per descriptor on the
+posting thread, which fragmented block tables would put on every hand-off. Preparing a list
+costs ~0.1-0.2 s at production cache sizes (~1.8 M layer-block regions), so neither list is
+built on a request's path: the local one when a writer starts (`prepare_writes`), a peer's
+when the peer is added with its `KVRegion` (`add_peer(..., region)` at registration time).
+A write to a peer region not announced that way (a CE registered without its region, an
+older router) prepares the list then, once. Peers are added (and connected) once and cached:
+the connection set-up (tens of ms) never sits on a request's path either.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import torch
 
 from deepinfer_core import envs
 from deepinfer_core.transfer.layout import KVLayout
+from deepinfer_core.transfer.messages import KVRegion
 
 logger = logging.getLogger(__name__)
 
@@ -68,17 +72,47 @@ class NixlKVAgent:
     def metadata(self) -> bytes:
         return self._agent.get_agent_metadata()
 
+    @property
+    def region(self) -> KVRegion:
+        """This agent's KV buffer as a peer addresses it (what a CE publishes at registration)."""
+        return KVRegion(
+            self.base_addr,
+            self.num_blocks_total,
+            self.device_id,
+            self.mem_type,
+            self.layout.fingerprint,
+            self.layout.describe(),
+        )
+
+    @property
+    def num_remote_lists(self) -> int:
+        """Peer descriptor lists prepared so far (one per peer region)."""
+        return len(self._remote_dlists)
+
     # ---- peers -------------------------------------------------------------------------
-    def add_peer(self, name: str, metadata: bytes) -> None:
-        """Learn a peer and connect to it (idempotent; cheap once the peer is known)."""
-        if name in self._peers:
-            return
-        added = self._agent.add_remote_agent(metadata)
-        added = added.decode() if isinstance(added, bytes) else added
-        if added != name:
-            raise TransferError(f"peer metadata names agent {added!r}, expected {name!r}")
-        self._agent.make_connection(name)
-        self._peers.add(name)
+    def add_peer(self, name: str, metadata: bytes, region: KVRegion | None = None) -> None:
+        """Learn a peer and connect to it (idempotent; cheap once the peer is known).
+
+        Args:
+            region: the peer's KV buffer; when given, its descriptor list is prepared now
+                (`prepare_peer`) rather than at the first write to it.
+        """
+        if name not in self._peers:
+            added = self._agent.add_remote_agent(metadata)
+            added = added.decode() if isinstance(added, bytes) else added
+            if added != name:
+                raise TransferError(f"peer metadata names agent {added!r}, expected {name!r}")
+            self._agent.make_connection(name)
+            self._peers.add(name)
+        if region is not None:
+            self.prepare_peer(name, region)
+
+    def prepare_peer(self, name: str, region: KVRegion) -> None:
+        """Prepare the descriptor list of a known peer's KV `region` now (idempotent): the
+        first write to it then costs no list building. Raises TransferError for an unknown peer."""
+        if name not in self._peers:
+            raise TransferError(f"unknown peer {name!r}: add_peer() first")
+        self._remote_handle(name, region.base_addr, region.num_blocks_total, region.device_id, region.mem_type)
 
     def remove_peer(self, name: str) -> None:
         for key in [k for k in self._remote_dlists if k[0] == name]:
@@ -111,6 +145,7 @@ class NixlKVAgent:
         return self._local_dlist
 
     def _remote_handle(self, peer: str, base: int, num_blocks_total: int, device_id: int, mem_type: str):
+        """The peer region's prepared list: from `prepare_peer`, else built now (the lazy fallback)."""
         key = (peer, base, num_blocks_total, device_id, mem_type)
         handle = self._remote_dlists.get(key)
         if handle is None:
@@ -179,6 +214,19 @@ class NixlKVAgent:
                 time.sleep(0)  # yield; the progress thread moves the data
         finally:
             self.release(transfer)
+
+    def reap(self, transfer: Transfer) -> bool:
+        """Non-blocking: True (and the handle released) once the transfer is DONE, False while it
+        runs; raises TransferError (handle released) if it failed."""
+        state = self.poll(transfer)
+        if state == "PROC":
+            return False
+        self.release(transfer)
+        if state != "DONE":
+            raise TransferError(f"KV write to {transfer.peer} failed: {transfer.error or 'transfer error'}")
+        self.bytes_sent += transfer.num_bytes
+        self.transfers_done += 1
+        return True
 
     def release(self, transfer: Transfer) -> None:
         if transfer.handle is not None:

@@ -1,9 +1,11 @@
-"""Proto forms of the typed messages in `deltas.py` and `workers.py`."""
+"""Proto forms of the typed messages in `deltas.py` and `workers.py` (and of a CE's `KVRegion`)."""
 
 from __future__ import annotations
 
-from dataclasses import fields
+from dataclasses import asdict, fields
+from typing import Optional
 
+from deepinfer_core.transfer.messages import KVRegion
 from proto import common_pb2
 from services.common.deltas import SampleDelta, TokenLogprob
 from services.common.workers import WorkerInfo, WorkerLoad
@@ -45,12 +47,26 @@ def delta_from_proto(msg: common_pb2.SampleDelta) -> SampleDelta:
     )
 
 
+def region_to_proto(region: Optional[KVRegion]) -> Optional[common_pb2.KVRegion]:
+    return None if region is None else common_pb2.KVRegion(**asdict(region))
+
+
+def region_from_proto(parent, name: str) -> Optional[KVRegion]:
+    """The KVRegion in message field `parent.<name>`, None where the sender left it out."""
+    if not parent.HasField(name):
+        return None
+    msg = getattr(parent, name)
+    return KVRegion(**{f.name: getattr(msg, f.name) for f in fields(KVRegion)})
+
+
 def info_to_proto(info: WorkerInfo) -> common_pb2.WorkerInfo:
-    return common_pb2.WorkerInfo(**{f.name: getattr(info, f.name) for f in fields(WorkerInfo)})
+    plain = {f.name: getattr(info, f.name) for f in fields(WorkerInfo) if f.name != "kv_region"}
+    return common_pb2.WorkerInfo(**plain, kv_region=region_to_proto(info.kv_region))
 
 
 def info_from_proto(msg: common_pb2.WorkerInfo) -> WorkerInfo:
-    return WorkerInfo(**{f.name: getattr(msg, f.name) for f in fields(WorkerInfo)})
+    plain = {f.name: getattr(msg, f.name) for f in fields(WorkerInfo) if f.name != "kv_region"}
+    return WorkerInfo(**plain, kv_region=region_from_proto(msg, "kv_region"))
 
 
 def load_to_proto(load: WorkerLoad) -> common_pb2.WorkerLoad:

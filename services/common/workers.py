@@ -7,6 +7,9 @@ Field for field the proto messages `deepinfer.v1.WorkerInfo` / `WorkerLoad` (see
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
+
+from deepinfer_core.transfer.messages import KVRegion
 
 # proto enum values, mirrored so that cores need no generated code
 POOL_ENCODER, POOL_PREFILL, POOL_DECODE, POOL_COLOCATED = 1, 2, 3, 4
@@ -31,6 +34,9 @@ class WorkerInfo:
     num_blocks: int = 0
     max_num_seqs: int = 0
     pid: int = 0
+    kv_region: Optional[KVRegion] = None
+    """CE: its KV buffer, so PEs prepare their transfer descriptors for it at registration
+    (None from an older worker: the first hand-off prepares them)."""
 
     @property
     def pool_name(self) -> str:

@@ -12,10 +12,11 @@ from typing import Optional, Protocol
 import grpc
 
 from deepinfer_core.sampling_params import SamplingParams
+from deepinfer_core.transfer.messages import KVRegion
 from proto import common_pb2, worker_pb2, worker_pb2_grpc
 from services.common.deltas import SampleDelta
 from services.common.grpc_util import channel, error_from_rpc
-from services.common.messages import delta_from_proto, load_from_proto
+from services.common.messages import delta_from_proto, load_from_proto, region_to_proto
 from services.common.params import params_to_proto
 from services.common.workers import WorkerInfo, WorkerLoad
 from services.workers.prefill_core import PrefillResult
@@ -38,7 +39,7 @@ class WorkerClient(Protocol):
 
     async def abort(self, request_id: str, prefill: bool) -> bool: ...
 
-    async def connect_peer(self, agent_name: str, metadata: bytes) -> None: ...
+    async def connect_peer(self, agent_name: str, metadata: bytes, region: Optional[KVRegion] = None) -> None: ...
 
     async def stats(self, timeout: float) -> WorkerLoad: ...
 
@@ -100,8 +101,10 @@ class GrpcWorkerClient:
         except grpc.aio.AioRpcError:
             return False  # a dead worker holds nothing
 
-    async def connect_peer(self, agent_name, metadata) -> None:
-        req = worker_pb2.ConnectPeerRequest(agent_name=agent_name, agent_metadata=metadata)
+    async def connect_peer(self, agent_name, metadata, region=None) -> None:
+        req = worker_pb2.ConnectPeerRequest(
+            agent_name=agent_name, agent_metadata=metadata, region=region_to_proto(region)
+        )
         try:
             await self._prefill.ConnectPeer(req, timeout=30)
         except grpc.aio.AioRpcError as e:
@@ -145,8 +148,8 @@ class LocalWorkerClient:
     async def abort(self, request_id, prefill: bool) -> bool:
         return await self.core.abort(request_id)
 
-    async def connect_peer(self, agent_name, metadata) -> None:
-        await self.core.connect_peer(agent_name, metadata)
+    async def connect_peer(self, agent_name, metadata, region=None) -> None:
+        await self.core.connect_peer(agent_name, metadata, region)
 
     async def stats(self, timeout) -> WorkerLoad:
         return self.core.stats()

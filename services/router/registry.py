@@ -52,7 +52,8 @@ class PoolRegistry:
 
     # ---- membership ------------------------------------------------------------------------
     async def add(self, info: WorkerInfo, client: Optional[WorkerClient] = None) -> WorkerHandle:
-        """A worker joins its pool; PEs connect to every CE's transfer agent now, not on a request's path."""
+        """A worker joins its pool; PEs connect to every CE's transfer agent and prepare its
+        descriptors now, not on a request's path."""
         old = self.workers.pop(info.worker_id, None)
         if old is not None:
             await old.client.close()
@@ -70,9 +71,10 @@ class PoolRegistry:
         return handle
 
     async def _connect(self, pe: WorkerHandle, ce: WorkerInfo) -> None:
+        """Connect the PE to the CE and prepare the CE's transfer descriptors on it (given its region)."""
         try:
-            await pe.client.connect_peer(ce.agent_name, ce.agent_metadata)
-        except ServiceError as e:  # the first hand-off connects lazily
+            await pe.client.connect_peer(ce.agent_name, ce.agent_metadata, ce.kv_region)
+        except ServiceError as e:  # the first hand-off connects lazily (a mismatched layout is refused there too)
             logger.warning("could not connect %s to %s: %s", pe.worker_id, ce.worker_id, e)
 
     async def remove(self, worker_id: str) -> bool:

@@ -14,7 +14,7 @@ from typing import Optional
 
 from deepinfer_core.outputs import RequestOutput
 from deepinfer_core.sampling_params import SamplingParams
-from deepinfer_core.transfer.messages import KVTarget
+from deepinfer_core.transfer.messages import KVRegion, KVTarget
 from services.common.deltas import OutputDiffer, SampleDelta
 from services.common.errors import ErrorCode, ServiceError
 from services.common.workers import WorkerLoad
@@ -64,8 +64,12 @@ class PrefillCore(WorkerCore):
                 await asyncio.shield(self.abort(request_id))
             raise
 
-    async def connect_peer(self, agent_name: str, metadata: bytes) -> None:
-        await self.host.run(lambda engine: engine.connect_peer(agent_name, metadata))
+    async def connect_peer(self, agent_name: str, metadata: bytes, region: Optional[KVRegion] = None) -> None:
+        """Connect to a CE and, given its KV `region`, prepare its transfer descriptors now."""
+        try:
+            await self.host.run(lambda engine: engine.connect_peer(agent_name, metadata, region))
+        except ValueError as e:  # a CE whose KV layout differs from ours
+            raise ServiceError(ErrorCode.FAILED_PRECONDITION, str(e)) from None
 
     def _forget(self, request_id: str) -> bool:
         pending = self.pending.pop(request_id, None)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from proto import common_pb2, worker_pb2, worker_pb2_grpc
 from services.common.errors import ErrorCode, ServiceError
 from services.common.grpc_util import handles_errors
-from services.common.messages import delta_to_proto, load_to_proto
+from services.common.messages import delta_to_proto, load_to_proto, region_from_proto
 from services.common.params import params_from_proto
 from services.workers.base_core import WorkerCore
 
@@ -36,7 +36,7 @@ class PrefillService(worker_pb2_grpc.PrefillServicer):
 
     @handles_errors
     async def ConnectPeer(self, request, context):
-        await self.core.connect_peer(request.agent_name, request.agent_metadata)
+        await self.core.connect_peer(request.agent_name, request.agent_metadata, region_from_proto(request, "region"))
         return worker_pb2.ConnectPeerReply()
 
 

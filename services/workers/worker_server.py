@@ -120,6 +120,7 @@ class WorkerServer:
             num_blocks=engine.scheduler.block_manager.num_blocks,
             max_num_seqs=config.scheduler.max_num_seqs,
             pid=os.getpid(),
+            kv_region=agent.region if agent is not None else None,
         )
 
     def _start_metrics(self) -> str:

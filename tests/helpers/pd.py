@@ -52,7 +52,7 @@ def run_pe(pe: PromptEngine, max_steps: int = 1000) -> list:
 def wait_ce(ce: EngineProcess, ids: list[str], timeout_s: float = 120.0) -> dict:
     done = {}
     deadline = time.monotonic() + timeout_s
-    while len(done) < len(ids):
+    while any(i not in done for i in ids):  # `done` may also hold earlier requests' leftovers
         assert time.monotonic() < deadline, f"unfinished: {[i for i in ids if i not in done]}"
         outs, _ = ce.call("collect")
         done.update({o.request_id: o for o in outs if o.finished})

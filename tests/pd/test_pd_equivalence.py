@@ -33,6 +33,11 @@ def reference():
     return normal_reference(_prompts(), greedy(12))
 
 
+def test_registration_prepared_the_ce_descriptors_before_any_request(pair):
+    """First in the module: no hand-off has run yet."""
+    assert pair.pe.call("stats")["remote_lists"] == 1 and pair.ce.call("stats")["handoffs"] == 0
+
+
 def test_each_prompt_alone_equals_normal(pair, reference):
     for prompt, want in zip(_prompts(), reference):
         (out,) = pair.generate([prompt], greedy(12))

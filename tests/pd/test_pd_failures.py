@@ -74,6 +74,14 @@ def test_refused_fingerprint_allocates_nothing_and_the_lease_frees_the_ce(ce):
     assert ce.call("stats")["lease_expiries"] >= 1
 
 
+def test_a_ce_of_another_layout_is_refused_at_registration(ce):
+    pe = local_pe()
+    forged = dataclasses.replace(ce.info["kv_region"], fingerprint="0" * 20, layout="SomeOtherModel bfloat16")
+    with pytest.raises(ValueError, match="KV layout mismatch.*SomeOtherModel"):
+        pe.connect_peer(ce.info["agent_name"], ce.info["agent_metadata"], forged)
+    assert pe.agent.num_remote_lists == 0
+
+
 def test_an_expired_reservation_is_refused_by_the_pe(ce):
     prompt = list(range(1, 20))
     target = reserve(ce, "slow", prompt, greedy(4), lease_s=0.3)

@@ -1,9 +1,23 @@
-"""SPEC §5 invariants 2, 5 and 7 with a real PE (this process) writing into a real CE process."""
+"""SPEC §5 invariants 2, 5 and 7 with a real PE (this process) writing into a real CE process;
+and registration, not a request, pays for preparing the CE's transfer descriptors."""
+
+import itertools
 
 import pytest
 
+from deepinfer_core import envs
 from deepinfer_core.pd.prompt_engine import PromptEngine
-from tests.helpers.pd import ENGINE_ARGS, greedy, local_pe, reserve, run_pe, start_ce, wait_ce, wait_free_blocks
+from tests.helpers.pd import (
+    ENGINE_ARGS,
+    greedy,
+    local_pe,
+    normal_reference,
+    reserve,
+    run_pe,
+    start_ce,
+    wait_ce,
+    wait_free_blocks,
+)
 
 
 class Watched(PromptEngine):
@@ -27,7 +41,7 @@ class Watched(PromptEngine):
 
     def _check_owned(self):
         bm = self.scheduler.block_manager
-        for pending in self._inflight:
+        for pending in self._inflight + [p for p in self._streams.values() if p.transfers]:
             blocks = pending.seq.block_table
             owned = bool(blocks) and all(bm.ref_counts[b] > 0 for b in blocks)
             free = set(bm._free) | set(bm._evictable)
@@ -73,10 +87,13 @@ def ce():
     proc.close()
 
 
+_ids = itertools.count()
+
+
 def _handoff(pe, ce, prompts, max_tokens=6):
     ids = []
-    for i, p in enumerate(prompts):
-        rid = f"inv-{id(pe)}-{i}"
+    for p in prompts:
+        rid = f"inv-{next(_ids)}"  # unique in the module: the CE is shared (an id(pe) may be reused)
         target = reserve(ce, rid, p, greedy(max_tokens))
         pe.add_prefill(rid, target, greedy(max_tokens), p)
         ids.append(rid)
@@ -108,3 +125,64 @@ def test_the_ownership_check_catches_early_freeing(ce):
     pe = local_pe(FreesEarly)
     _handoff(pe, ce, [list(range(1, 30))])
     assert not all(pe.inflight_blocks_owned)
+
+
+def test_registration_prepares_the_ce_descriptors_so_no_hand_off_does(ce, monkeypatch):
+    pe = local_pe()
+    pe.connect_peer(ce.info["agent_name"], ce.info["agent_metadata"], ce.info["kv_region"])
+    assert pe.agent.num_remote_lists == 1  # before any request
+    prepared = []
+    real = pe.agent._agent.prep_xfer_dlist
+    monkeypatch.setattr(pe.agent._agent, "prep_xfer_dlist", lambda *a: prepared.append(a[0]) or real(*a))
+    ids, results = _handoff(pe, ce, [list(range(1, 20)), [4, 5, 6]], max_tokens=3)
+    assert len(results) == 2 and all(r.ok for r in results)
+    assert prepared == [] and pe.agent.num_remote_lists == 1
+    done = wait_ce(ce, ids)
+    assert all(len(done[i].outputs[0].token_ids) == 3 for i in ids)
+
+
+def _record_writes(pe, monkeypatch) -> list[list[int]]:
+    writes, real = [], pe.agent.write_blocks
+    monkeypatch.setattr(
+        pe.agent, "write_blocks", lambda peer, local, *a: writes.append(list(local)) or real(peer, local, *a)
+    )
+    return writes
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_chunked_prompt_streams_its_full_blocks_while_later_chunks_compute(ce, monkeypatch, stream):
+    monkeypatch.setattr(envs, "DEEPINFER_PD_STREAM_CHUNKS", stream)
+    pe = local_pe(Watched, chunked_prefill=True, max_num_batched_tokens=24)  # 8-token blocks: 3 per chunk
+    free0 = pe.scheduler.block_manager.num_free_blocks
+    writes = _record_writes(pe, monkeypatch)
+    prompt = list(range(1, 70))  # 69 tokens: chunks of 24, 24, 21; 9 blocks
+    ids, results = _handoff(pe, ce, [prompt])
+    (r,) = results
+    assert r.ok and r.num_bytes == 9 * pe.layout.num_layers * pe.layout.block_bytes
+    # streamed: each chunk's full blocks, then the rest with the hand-off; else all at the end
+    assert [len(w) for w in writes] == ([3, 3, 3] if stream else [9])
+    assert len({b for w in writes for b in w}) == 9
+    assert pe.inflight_blocks_owned and all(pe.inflight_blocks_owned)
+    assert pe.scheduler.block_manager.num_free_blocks == free0
+    out = wait_ce(ce, ids)[ids[0]].outputs[0].token_ids
+    assert out == normal_reference([prompt], greedy(6))[0]
+
+
+def test_abort_mid_prompt_waits_for_the_chunk_write_and_frees_both_sides(ce, monkeypatch):
+    monkeypatch.setattr(envs, "DEEPINFER_PD_STREAM_CHUNKS", True)
+    pe = local_pe(chunked_prefill=True, max_num_batched_tokens=24)
+    free0 = pe.scheduler.block_manager.num_free_blocks
+    writes = _record_writes(pe, monkeypatch)
+    rid = f"inv-{next(_ids)}"
+    prompt = list(range(1, 70))
+    pe.add_prefill(rid, reserve(ce, rid, prompt, greedy(4)), greedy(4), prompt)
+    monkeypatch.setattr(pe.agent, "reap", lambda transfer: False)  # as if the write were still running
+    pe.step()  # the first chunk: its 3 full blocks are posted and stay in flight
+    assert [len(w) for w in writes] == [3] and rid in pe._streams
+    (inflight,) = pe._streams[rid].transfers
+    done0 = pe.agent.transfers_done
+    pe.abort_request(rid)
+    assert inflight.handle is None and pe.agent.transfers_done == done0 + 1  # waited for before the free
+    assert not pe._streams and not pe.has_unfinished_requests()
+    assert pe.scheduler.block_manager.num_free_blocks == free0
+    assert wait_free_blocks(ce, ENGINE_ARGS["num_gpu_blocks"]) == ENGINE_ARGS["num_gpu_blocks"]

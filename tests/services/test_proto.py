@@ -1,5 +1,6 @@
 """The wire format: the EngineType enum matches Python, and the generated modules are current."""
 
+import dataclasses
 import subprocess
 import sys
 from pathlib import Path
@@ -27,6 +28,22 @@ def test_worker_info_carries_the_python_value():
     msg = info_to_proto(info)
     assert msg.engine_type == common_pb2.COMPLETION == EngineType.COMPLETION.value
     assert EngineType(info_from_proto(msg).engine_type) is EngineType.COMPLETION
+
+
+def test_worker_info_and_connect_peer_carry_the_ce_kv_region():
+    from deepinfer_core.transfer.messages import KVRegion
+    from proto import worker_pb2
+    from services.common.messages import info_from_proto, info_to_proto, region_from_proto, region_to_proto
+    from services.common.workers import POOL_DECODE, WorkerInfo
+
+    region = KVRegion(2**47 + 4096, 1_000_000, 3, "VRAM", "f" * 20, "Llama bfloat16")
+    info = WorkerInfo("ce", POOL_DECODE, EngineType.COMPLETION.value, "h:1", agent_name="a", kv_region=region)
+    assert info_from_proto(common_pb2.WorkerInfo.FromString(info_to_proto(info).SerializeToString())) == info
+    req = worker_pb2.ConnectPeerRequest(agent_name="a", region=region_to_proto(region))
+    assert region_from_proto(worker_pb2.ConnectPeerRequest.FromString(req.SerializeToString()), "region") == region
+    # an older worker or router leaves the region out: None, and the first hand-off prepares it
+    assert info_from_proto(info_to_proto(dataclasses.replace(info, kv_region=None))).kv_region is None
+    assert region_from_proto(worker_pb2.ConnectPeerRequest(agent_name="a"), "region") is None
 
 
 def test_generated_modules_match_the_proto_files(tmp_path):

@@ -7,6 +7,12 @@ prefill step (sampling and output processing run in between, so it includes thei
 
     python benchmarks/kv_transfer.py                          # CPU: DRAM -> DRAM over UCX loopback
     python benchmarks/kv_transfer.py --pe-device cuda:0 --ce-device cuda:1   # two GPUs, VRAM -> VRAM
+    python benchmarks/kv_transfer.py ... --chunk 4096   # chunked prefill: streamed vs whole hand-off
+
+With `--chunk N` the PE (and the NORMAL reference) prefill in chunks of N tokens, and each prompt
+is handed off twice side by side: with each chunk's full blocks written while the next chunk
+computes (DEEPINFER_PD_STREAM_CHUNKS, the default) and with everything written after the last
+chunk. "exposed" = from posting the last chunk's blocks to DONE, the part of TTFT the hand-off adds.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import time
 import torch
 import transformers
 
+from deepinfer_core import envs
 from deepinfer_core.builtin import TINY_MODEL_DIR
 from deepinfer_core.engine.llm_engine import LLMEngine
 from deepinfer_core.engine_args import EngineArgs
@@ -128,12 +135,15 @@ def main() -> None:
     ap.add_argument("--lengths", type=int, nargs="+", default=[256, 1024, 4096])
     ap.add_argument("--block-sizes", type=int, nargs="+", default=[16, 64])
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--chunk", type=int, default=0, help="chunked prefill of this many tokens (0: one pass)")
     args = ap.parse_args()
     dtype = "bfloat16" if args.pe_device.startswith("cuda") else "float32"
     max_len = max(args.lengths) + 16
     path = tempfile.mkdtemp()
     build_checkpoint(path)
     print(f"PE {args.pe_device} -> CE {args.ce_device}, {dtype}, model layers=16 kv_heads=8 head_dim=128")
+    if args.chunk:
+        return streamed(args, dtype, max_len, path)
     print(
         f"{'block':>5} {'tokens':>6} {'MiB':>7} {'plane GB/s':>10} {'copy GB/s':>9} {'ratio':>6} "
         f"{'hand-off ms':>11} {'TTFT NORMAL ms':>14} {'TTFT P/D ms':>11} {'hand-off %':>10}"
@@ -176,6 +186,54 @@ def main() -> None:
                 f"{block_size:>5} {n:>6} {nbytes / 2**20:>7.1f} {nbytes / plane / 1e9:>10.2f} "
                 f"{nbytes / copy / 1e9:>9.2f} {copy / plane:>6.2f} {xfer * 1e3:>11.2f} {nt * 1e3:>14.1f} "
                 f"{pd * 1e3:>11.1f} {100 * xfer / pd:>9.1f}%"
+            )
+        ce.close()
+        del pe, normal
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def streamed(args, dtype: str, max_len: int, path: str) -> None:
+    """Chunked prefill: TTFT and exposed hand-off with streamed chunk writes vs one write at the end."""
+    print(f"chunk {args.chunk} tokens")
+    print(
+        f"{'block':>5} {'tokens':>6} {'MiB':>7} {'TTFT NORMAL ms':>14} {'TTFT P/D whole':>14} "
+        f"{'TTFT P/D streamed':>17} {'exposed whole ms':>16} {'exposed streamed ms':>19} {'share whole':>11} "
+        f"{'share streamed':>14}"
+    )
+    for block_size in args.block_sizes:
+        common = dict(model=path, dtype=dtype, max_model_len=max_len, block_size=block_size,
+                      max_num_batched_tokens=args.chunk, chunked_prefill=True, enable_prefix_caching=False)  # fmt: skip
+        blocks = 2 * (max_len // block_size + 2)
+        ce = EngineProcess(
+            EngineType.COMPLETION,
+            {**common, "device": args.ce_device, "num_gpu_blocks": blocks, "stop_preempted_request": True},
+        )
+        pe = PromptEngine.from_engine_args(
+            EngineArgs(engine_type=EngineType.PROMPT, device=args.pe_device, num_gpu_blocks=blocks, **common)
+        )
+        normal = LLMEngine.from_engine_args(EngineArgs(device=args.pe_device, num_gpu_blocks=blocks, **common))
+        pe.connect_peer(ce.info["agent_name"], ce.info["agent_metadata"], ce.info["kv_region"])
+        handoff(pe, ce, "warmup", list(range(1, 64)))
+        normal_ttft(normal, "warmup", list(range(1, 64)))
+        for n in args.lengths:
+            prompt = torch.randint(0, 1000, (n,), generator=torch.Generator().manual_seed(n)).tolist()
+            ttft = {True: [], False: []}
+            exposed = {True: [], False: []}
+            normal_t, nbytes = [], 0
+            for r in range(args.reps):
+                for stream in (True, False):
+                    envs.DEEPINFER_PD_STREAM_CHUNKS = stream
+                    seconds, result = handoff(pe, ce, f"s{int(stream)}-{block_size}-{n}-{r}", prompt)
+                    ttft[stream].append(seconds)
+                    exposed[stream].append(result.exposed_seconds)
+                    nbytes = result.num_bytes
+                normal_t.append(normal_ttft(normal, f"n{block_size}-{n}-{r}", prompt))
+            envs.DEEPINFER_PD_STREAM_CHUNKS = True
+            med = statistics.median
+            tw, ts, ew, es = med(ttft[False]), med(ttft[True]), med(exposed[False]), med(exposed[True])
+            print(
+                f"{block_size:>5} {n:>6} {nbytes / 2**20:>7.1f} {med(normal_t) * 1e3:>14.1f} {tw * 1e3:>14.1f} "
+                f"{ts * 1e3:>17.1f} {ew * 1e3:>16.2f} {es * 1e3:>19.2f} {100 * ew / tw:>10.1f}% {100 * es / ts:>13.1f}%"
             )
         ce.close()
         del pe, normal

@@ -5,9 +5,9 @@ Hook bodies (SPEC §2, §4):
   and which computed only a chunk of it;
 - pe_prepare_save_kvcache: once the forward has written the KV, post the NIXL WRITEs
   (all layers of a request's blocks in one transfer) and return without waiting —
-  sampling still runs. A chunk that does not end its prompt already sends the blocks it
-  filled (DEEPINFER_PD_STREAM_CHUNKS), so they travel while the next chunk computes and
-  only the last chunk's blocks are left for the hand-off;
+  sampling still runs. A chunk that does not end its prompt sends the blocks it filled
+  (DEEPINFER_PD_STREAM_CHUNKS) at the next step, behind that step's forward, so they travel
+  while the next chunk computes and only the last chunk's blocks are left for the hand-off;
 - pe_do_save_kvcache: wait for each finished prompt's writes (or an error / timeout) and
   record them; reap chunk writes that have already landed;
 - send_processed_prompts: notify each CE (first token, computed length), drop the
@@ -84,6 +84,7 @@ class PromptEngine(LLMEngine):
         self.targets: dict[str, KVTarget] = {}
         self._handoff: list[Sequence] = []
         self._chunks: list[tuple[Sequence, int]] = []  # (seq, tokens computed once this step ends)
+        self._deferred: list[tuple[Sequence, int, object]] = []  # chunks to post next step, + forward event
         self._streams: dict[str, _Pending] = {}  # mid-prompt requests with chunk writes posted
         self._inflight: list[_Pending] = []
         self._done: list[_Pending] = []
@@ -139,6 +140,7 @@ class PromptEngine(LLMEngine):
     def abort_request(self, request_id: str) -> None:
         """Wait out the request's chunk writes still in flight (they read its PE blocks and land
         in the CE's), then free and tell the CE its reserved blocks are free again."""
+        self._deferred = [d for d in self._deferred if d[0].request_id != request_id]
         stream = self._streams.pop(request_id, None)
         if stream is not None:
             self._wait_all(stream)
@@ -161,18 +163,28 @@ class PromptEngine(LLMEngine):
                 self._chunks.append((seq, seq.num_cached_tokens + out.num_new_tokens[i]))
 
     def pe_prepare_save_kvcache(self, scheduled: list[Sequence], finished: list[Sequence]) -> None:
-        if not self._handoff and not self._chunks:
+        if not self._handoff and not self._chunks and not self._deferred:
             return
-        self.worker.runner.wait_forward()  # the WRITE reads KV the forward has just produced
         bs = self.scheduler.block_manager.block_size
-        for seq, computed in self._chunks:  # only full blocks: the next chunk still writes the last one
+        # A chunk's blocks are posted one step later, once this step's forward is queued behind
+        # that chunk's: waiting for the chunk's forward then keeps the device busy, where waiting
+        # in its own step would idle it while the host builds the next chunk's inputs.
+        deferred, self._deferred = self._deferred, []
+        for seq, computed, forward_done in deferred:
+            if seq.request_id not in self.targets:  # aborted meanwhile
+                continue
+            if forward_done is not None:
+                forward_done.synchronize()
             stream = self._streams.setdefault(seq.request_id, _Pending(seq, self.targets[seq.request_id]))
-            self._post(stream, computed // bs)
+            self._post(stream, computed // bs)  # only full blocks: the next chunk still writes the last one
+        if self._handoff:
+            self.worker.runner.wait_forward()  # the WRITE reads KV the forward has just produced
         for seq in self._handoff:
             pending = self._streams.pop(seq.request_id, None) or _Pending(seq, self.targets[seq.request_id])
             pending.last_post = time.monotonic()
             self._post(pending, self.scheduler.block_manager.blocks_needed(len(seq)))
             self._inflight.append(pending)
+        self._deferred = [(seq, computed, self.worker.runner.forward_event) for seq, computed in self._chunks]
         self._handoff, self._chunks = [], []
 
     def _post(self, pending: _Pending, upto: int) -> None:

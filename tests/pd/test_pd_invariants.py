@@ -177,7 +177,9 @@ def test_abort_mid_prompt_waits_for_the_chunk_write_and_frees_both_sides(ce, mon
     prompt = list(range(1, 70))
     pe.add_prefill(rid, reserve(ce, rid, prompt, greedy(4)), greedy(4), prompt)
     monkeypatch.setattr(pe.agent, "reap", lambda transfer: False)  # as if the write were still running
-    pe.step()  # the first chunk: its 3 full blocks are posted and stay in flight
+    pe.step()  # the first chunk computes; its 3 full blocks are posted behind the next chunk's forward
+    assert writes == []
+    pe.step()
     assert [len(w) for w in writes] == [3] and rid in pe._streams
     (inflight,) = pe._streams[rid].transfers
     done0 = pe.agent.transfers_done

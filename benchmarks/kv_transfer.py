@@ -12,7 +12,9 @@ prefill step (sampling and output processing run in between, so it includes thei
 With `--chunk N` the PE (and the NORMAL reference) prefill in chunks of N tokens, and each prompt
 is handed off twice side by side: with each chunk's full blocks written while the next chunk
 computes (DEEPINFER_PD_STREAM_CHUNKS, the default) and with everything written after the last
-chunk. "exposed" = from posting the last chunk's blocks to DONE, the part of TTFT the hand-off adds.
+chunk. With `--layer-groups G` (no chunking) each prompt goes once as one write after the
+forward and once in G layer groups, each posted as soon as the forward has written its layers.
+"exposed" = from the end of the last forward to DONE, the part of TTFT the hand-off adds.
 """
 
 from __future__ import annotations
@@ -136,14 +138,15 @@ def main() -> None:
     ap.add_argument("--block-sizes", type=int, nargs="+", default=[16, 64])
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--chunk", type=int, default=0, help="chunked prefill of this many tokens (0: one pass)")
+    ap.add_argument("--layer-groups", type=int, default=0, help="compare one write with this many layer groups")
     args = ap.parse_args()
     dtype = "bfloat16" if args.pe_device.startswith("cuda") else "float32"
     max_len = max(args.lengths) + 16
     path = tempfile.mkdtemp()
     build_checkpoint(path)
     print(f"PE {args.pe_device} -> CE {args.ce_device}, {dtype}, model layers=16 kv_heads=8 head_dim=128")
-    if args.chunk:
-        return streamed(args, dtype, max_len, path)
+    if args.chunk or args.layer_groups:
+        return side_by_side(args, dtype, max_len, path)
     print(
         f"{'block':>5} {'tokens':>6} {'MiB':>7} {'plane GB/s':>10} {'copy GB/s':>9} {'ratio':>6} "
         f"{'hand-off ms':>11} {'TTFT NORMAL ms':>14} {'TTFT P/D ms':>11} {'hand-off %':>10}"
@@ -192,17 +195,27 @@ def main() -> None:
     shutil.rmtree(path, ignore_errors=True)
 
 
-def streamed(args, dtype: str, max_len: int, path: str) -> None:
-    """Chunked prefill: TTFT and exposed hand-off with streamed chunk writes vs one write at the end."""
-    print(f"chunk {args.chunk} tokens")
+def side_by_side(args, dtype: str, max_len: int, path: str) -> None:
+    """TTFT and exposed hand-off of PE variants, each prompt through every variant in turn:
+    --chunk: streamed chunk writes vs one write at the end; --layer-groups: layer groups vs one write."""
+    if args.chunk:
+        variants = {"whole": lambda pe: setattr(envs, "DEEPINFER_PD_STREAM_CHUNKS", False),
+                    "streamed": lambda pe: setattr(envs, "DEEPINFER_PD_STREAM_CHUNKS", True)}  # fmt: skip
+        print(f"chunk {args.chunk} tokens; layer groups {args.layer_groups or 'default'}")
+    else:
+        variants = {"1 group": lambda pe: pe.set_layer_groups(1),
+                    f"{args.layer_groups} groups": lambda pe: pe.set_layer_groups(args.layer_groups)}  # fmt: skip
+    names = list(variants)
     print(
-        f"{'block':>5} {'tokens':>6} {'MiB':>7} {'TTFT NORMAL ms':>14} {'TTFT P/D whole':>14} "
-        f"{'TTFT P/D streamed':>17} {'exposed whole ms':>16} {'exposed streamed ms':>19} {'share whole':>11} "
-        f"{'share streamed':>14}"
-    )
+        f"{'block':>5} {'tokens':>6} {'MiB':>7} {'TTFT NORMAL ms':>14} "
+        + " ".join(f"{'TTFT P/D ' + n:>18}" for n in names) + " "
+        + " ".join(f"{'exposed ' + n + ' ms':>20}" for n in names) + " "
+        + " ".join(f"{'share ' + n:>15}" for n in names)
+    )  # fmt: skip
+    batched = args.chunk or max_len
     for block_size in args.block_sizes:
         common = dict(model=path, dtype=dtype, max_model_len=max_len, block_size=block_size,
-                      max_num_batched_tokens=args.chunk, chunked_prefill=True, enable_prefix_caching=False)  # fmt: skip
+                      max_num_batched_tokens=batched, chunked_prefill=bool(args.chunk), enable_prefix_caching=False)  # fmt: skip
         blocks = 2 * (max_len // block_size + 2)
         ce = EngineProcess(
             EngineType.COMPLETION,
@@ -211,30 +224,34 @@ def streamed(args, dtype: str, max_len: int, path: str) -> None:
         pe = PromptEngine.from_engine_args(
             EngineArgs(engine_type=EngineType.PROMPT, device=args.pe_device, num_gpu_blocks=blocks, **common)
         )
+        if args.chunk and args.layer_groups:
+            pe.set_layer_groups(args.layer_groups)
         normal = LLMEngine.from_engine_args(EngineArgs(device=args.pe_device, num_gpu_blocks=blocks, **common))
         pe.connect_peer(ce.info["agent_name"], ce.info["agent_metadata"], ce.info["kv_region"])
         handoff(pe, ce, "warmup", list(range(1, 64)))
         normal_ttft(normal, "warmup", list(range(1, 64)))
         for n in args.lengths:
             prompt = torch.randint(0, 1000, (n,), generator=torch.Generator().manual_seed(n)).tolist()
-            ttft = {True: [], False: []}
-            exposed = {True: [], False: []}
+            ttft, exposed = {v: [] for v in names}, {v: [] for v in names}
             normal_t, nbytes = [], 0
             for r in range(args.reps):
-                for stream in (True, False):
-                    envs.DEEPINFER_PD_STREAM_CHUNKS = stream
-                    seconds, result = handoff(pe, ce, f"s{int(stream)}-{block_size}-{n}-{r}", prompt)
-                    ttft[stream].append(seconds)
-                    exposed[stream].append(result.exposed_seconds)
+                for v in names:
+                    variants[v](pe)
+                    seconds, result = handoff(pe, ce, f"{v}-{block_size}-{n}-{r}", prompt)
+                    ttft[v].append(seconds)
+                    exposed[v].append(result.exposed_seconds)
                     nbytes = result.num_bytes
                 normal_t.append(normal_ttft(normal, f"n{block_size}-{n}-{r}", prompt))
-            envs.DEEPINFER_PD_STREAM_CHUNKS = True
             med = statistics.median
-            tw, ts, ew, es = med(ttft[False]), med(ttft[True]), med(exposed[False]), med(exposed[True])
+            t = {v: med(ttft[v]) for v in names}
+            e = {v: med(exposed[v]) for v in names}
             print(
-                f"{block_size:>5} {n:>6} {nbytes / 2**20:>7.1f} {med(normal_t) * 1e3:>14.1f} {tw * 1e3:>14.1f} "
-                f"{ts * 1e3:>17.1f} {ew * 1e3:>16.2f} {es * 1e3:>19.2f} {100 * ew / tw:>10.1f}% {100 * es / ts:>13.1f}%"
-            )
+                f"{block_size:>5} {n:>6} {nbytes / 2**20:>7.1f} {med(normal_t) * 1e3:>14.1f} "
+                + " ".join(f"{t[v] * 1e3:>18.1f}" for v in names) + " "
+                + " ".join(f"{e[v] * 1e3:>20.2f}" for v in names) + " "
+                + " ".join(f"{100 * e[v] / t[v]:>14.1f}%" for v in names)
+            )  # fmt: skip
+        envs.DEEPINFER_PD_STREAM_CHUNKS = True
         ce.close()
         del pe, normal
     shutil.rmtree(path, ignore_errors=True)

@@ -26,6 +26,7 @@ _SPECS: dict[str, tuple[Callable[[str], object], str]] = {
     "DEEPINFER_LOG_LEVEL": (str, "INFO"),
     "DEEPINFER_NIXL_PROGRESS_DELAY_US": (int, "200"),
     "DEEPINFER_PD_STREAM_CHUNKS": (_bool, "1"),
+    "DEEPINFER_PD_LAYER_GROUPS": (int, "0"),
 }
 
 DEEPINFER_ZERO_OVERHEAD_SCHEDULING: bool
@@ -45,6 +46,9 @@ DEEPINFER_NIXL_PROGRESS_DELAY_US: int
 """Pause of each NIXL agent's progress thread between rounds (0: spin, a whole core per engine)."""
 DEEPINFER_PD_STREAM_CHUNKS: bool
 """PE: write each chunk's full KV blocks to the CE while the next chunk computes (chunked prefill)."""
+DEEPINFER_PD_LAYER_GROUPS: int
+"""PE: send the last chunk's KV in this many layer groups, each as soon as its layers are written
+(0: 4 on CUDA, 1 on CPU, where the forward is synchronous and nothing would overlap)."""
 
 
 def rearm(*names: str) -> None:

@@ -7,7 +7,9 @@ Hook bodies (SPEC §2, §4):
   (all layers of a request's blocks in one transfer) and return without waiting —
   sampling still runs. A chunk that does not end its prompt sends the blocks it filled
   (DEEPINFER_PD_STREAM_CHUNKS) at the next step, behind that step's forward, so they travel
-  while the next chunk computes and only the last chunk's blocks are left for the hand-off;
+  while the next chunk computes and only the last chunk's blocks are left for the hand-off.
+  Those go out in layer groups (DEEPINFER_PD_LAYER_GROUPS; CUDA): a group as soon as the
+  forward has written its layers' KV (per-layer events), while the later layers compute;
 - pe_do_save_kvcache: wait for each finished prompt's writes (or an error / timeout) and
   record them; reap chunk writes that have already landed;
 - send_processed_prompts: notify each CE (first token, computed length), drop the
@@ -48,7 +50,8 @@ class HandoffResult:
     seconds: float = 0.0
     """First post (an early chunk's, when streamed) to completion of the last KV write."""
     exposed_seconds: float = 0.0
-    """From posting the last chunk's blocks to completion: what the hand-off adds to TTFT."""
+    """From the end of the last forward (its last layer group posted) to completion of every
+    write: what the hand-off adds to TTFT."""
     error: Optional[str] = None
 
 
@@ -81,6 +84,7 @@ class PromptEngine(LLMEngine):
         self.layout = KVLayout.of(self.config.model.hf_config, self.cache.kv_buffer, self.config.cache.block_size)
         self.agent = NixlKVAgent(self.name, self.cache.kv_buffer, self.layout)
         self.agent.prepare_writes()
+        self.set_layer_groups(envs.DEEPINFER_PD_LAYER_GROUPS or (4 if self.cache.kv_buffer.is_cuda else 1))
         self.targets: dict[str, KVTarget] = {}
         self._handoff: list[Sequence] = []
         self._chunks: list[tuple[Sequence, int]] = []  # (seq, tokens computed once this step ends)
@@ -89,6 +93,14 @@ class PromptEngine(LLMEngine):
         self._inflight: list[_Pending] = []
         self._done: list[_Pending] = []
         self.handoff_results: list[HandoffResult] = []
+
+    def set_layer_groups(self, groups: int) -> None:
+        """Send each finished prompt's KV in `groups` layer groups (1: one write after the forward)."""
+        n = self.layout.num_layers
+        groups = max(1, min(n, groups))
+        bounds = [round(i * n / groups) for i in range(groups + 1)]
+        self._layer_groups = [range(a, b) for a, b in zip(bounds, bounds[1:])] if groups > 1 else []
+        self.worker.runner.want_layer_events = bool(self._layer_groups)
 
     # ---- admission ---------------------------------------------------------------------
     def connect_peer(self, name: str, metadata: bytes, region: Optional[KVRegion] = None) -> None:
@@ -178,17 +190,38 @@ class PromptEngine(LLMEngine):
             stream = self._streams.setdefault(seq.request_id, _Pending(seq, self.targets[seq.request_id]))
             self._post(stream, computed // bs)  # only full blocks: the next chunk still writes the last one
         if self._handoff:
-            self.worker.runner.wait_forward()  # the WRITE reads KV the forward has just produced
-        for seq in self._handoff:
-            pending = self._streams.pop(seq.request_id, None) or _Pending(seq, self.targets[seq.request_id])
-            pending.last_post = time.monotonic()
-            self._post(pending, self.scheduler.block_manager.blocks_needed(len(seq)))
-            self._inflight.append(pending)
+            self._post_handoffs()
         self._deferred = [(seq, computed, self.worker.runner.forward_event) for seq, computed in self._chunks]
         self._handoff, self._chunks = [], []
 
-    def _post(self, pending: _Pending, upto: int) -> None:
-        """Post a WRITE of blocks [sent_blocks, upto) of the request's table into the same CE blocks."""
+    def _post_handoffs(self) -> None:
+        """Post the rest of each finished prompt's blocks. With layer groups, group g goes out as
+        soon as the forward has written its layers' KV, while the later layers still compute."""
+        bm = self.scheduler.block_manager
+        pending = [
+            self._streams.pop(s.request_id, None) or _Pending(s, self.targets[s.request_id]) for s in self._handoff
+        ]
+        upto = [bm.blocks_needed(len(p.seq)) for p in pending]
+        events = self.worker.runner.layer_events
+        groups = self._layer_groups if events is not None and len(events) == self.layout.num_layers else []
+        for g, layers in enumerate(groups):
+            if events[layers.stop - 1] is not None:
+                events[layers.stop - 1].synchronize()  # the KV of these layers is in the cache
+            last = g == len(groups) - 1
+            for p, n in zip(pending, upto):
+                if last:  # the forward is done: from here on the hand-off adds to TTFT
+                    p.last_post = time.monotonic()
+                self._post(p, n, layers, advance=last)
+        if not groups:
+            self.worker.runner.wait_forward()  # the WRITE reads KV the forward has just produced
+            for p, n in zip(pending, upto):
+                p.last_post = time.monotonic()
+                self._post(p, n)
+        self._inflight.extend(pending)
+
+    def _post(self, pending: _Pending, upto: int, layers: Optional[range] = None, advance: bool = True) -> None:
+        """Post a WRITE of blocks [sent_blocks, upto) of the request's table (of `layers`, default
+        all) into the same CE blocks; `advance`: those blocks are then sent (every layer group is)."""
         target = pending.target
         if pending.error is not None or upto <= pending.sent_blocks:
             return
@@ -205,12 +238,13 @@ class PromptEngine(LLMEngine):
                 target.block_ids[first:upto],
                 target.device_id,
                 target.mem_type,
+                layers=layers,
             )
         except Exception as e:  # a dead peer can fail at post time
             pending.error = str(e)
             return
         pending.transfers.append(transfer)
-        pending.sent_blocks = upto
+        pending.sent_blocks = upto if advance else pending.sent_blocks
         pending.first_post = pending.first_post or transfer.started
 
     def _wait_all(self, pending: _Pending) -> None:

@@ -163,14 +163,16 @@ class NixlKVAgent:
         remote_blocks: list[int],
         remote_device_id: int = 0,
         remote_mem_type: str | None = None,
+        layers: range | None = None,
     ) -> Transfer:
-        """Post a WRITE of `local_blocks` (all layers) into the peer's `remote_blocks`; does not wait."""
+        """Post a WRITE of `local_blocks` (of `layers`, default all) into the peer's `remote_blocks`;
+        does not wait."""
         if len(local_blocks) > len(remote_blocks):
             raise TransferError(f"{len(local_blocks)} blocks to send but only {len(remote_blocks)} reserved")
         if peer not in self._peers:
             raise TransferError(f"unknown peer {peer!r}: add_peer() first")
         started = time.monotonic()  # posting may move data inline (shared-memory transports)
-        layers = np.arange(self.layout.num_layers, dtype=np.int64)[:, None]
+        layers = np.arange(self.layout.num_layers, dtype=np.int64)[layers if layers is not None else slice(None), None]
         src = np.asarray(local_blocks, dtype=np.int64)[None, :]
         dst = np.asarray(remote_blocks[: len(local_blocks)], dtype=np.int64)[None, :]
         remote = self._remote_handle(
@@ -187,7 +189,7 @@ class NixlKVAgent:
         if state == "ERR":
             self._agent.release_xfer_handle(handle)
             raise TransferError(f"posting the KV write to {peer} failed")
-        return Transfer(handle, peer, self.layout.num_layers * len(local_blocks) * self.layout.block_bytes, started)
+        return Transfer(handle, peer, len(layers) * len(local_blocks) * self.layout.block_bytes, started)
 
     def poll(self, transfer: Transfer) -> str:
         """'DONE', 'PROC' or 'ERR' (a peer that went away reads as 'ERR', its reason in `transfer.error`)."""

@@ -89,6 +89,10 @@ class ModelRunner:
         self.use_cuda_graph = not config.enforce_eager and config.role.cuda_graphs_allowed and device.type == "cuda"
         self.graphs = None  # decode CUDA graphs, captured after the cache exists
         self.forward_event: Optional[torch.cuda.Event] = None
+        self.want_layer_events = False
+        """Record an event per decoder layer of prefill forwards (a PE sending KV layer by layer)."""
+        self.layer_events: Optional[list] = None
+        """The last forward's per-layer KV-written events (see `AttentionMetadata.kv_written`)."""
         """Recorded after the last launched forward (CUDA): KV of that step is written once it completes."""
 
     # ---- step -------------------------------------------------------------------------
@@ -110,7 +114,10 @@ class ModelRunner:
         inp = build_model_input(out.scheduled_seqs, out.num_new_tokens, self.block_size, self.device)
         if fill is not None and fill.rows:
             self._fill_placeholders(out, inp, fill)
+        if self.want_layer_events and out.prompt_run:
+            inp.attn_meta.kv_written = []
         hidden = self._forward(inp)
+        self.layer_events = inp.attn_meta.kv_written
         if self.device.type == "cuda":
             self.forward_event = torch.cuda.Event()
             self.forward_event.record()

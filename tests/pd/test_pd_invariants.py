@@ -144,7 +144,9 @@ def test_registration_prepares_the_ce_descriptors_so_no_hand_off_does(ce, monkey
 def _record_writes(pe, monkeypatch) -> list[list[int]]:
     writes, real = [], pe.agent.write_blocks
     monkeypatch.setattr(
-        pe.agent, "write_blocks", lambda peer, local, *a: writes.append(list(local)) or real(peer, local, *a)
+        pe.agent,
+        "write_blocks",
+        lambda peer, local, *a, **kw: writes.append(list(local)) or real(peer, local, *a, **kw),
     )
     return writes
 
@@ -188,3 +190,49 @@ def test_abort_mid_prompt_waits_for_the_chunk_write_and_frees_both_sides(ce, mon
     assert not pe._streams and not pe.has_unfinished_requests()
     assert pe.scheduler.block_manager.num_free_blocks == free0
     assert wait_free_blocks(ce, ENGINE_ARGS["num_gpu_blocks"]) == ENGINE_ARGS["num_gpu_blocks"]
+
+
+class _LayerEvent:
+    """Stands in for a layer's CUDA event on CPU: logs when the PE waits for it."""
+
+    def __init__(self, log: list, layer: int):
+        self.log, self.layer = log, layer
+
+    def synchronize(self):
+        self.log.append(("wait", self.layer))
+
+
+def test_the_hand_off_goes_out_in_layer_groups_each_after_its_layers_are_written(ce, monkeypatch):
+    from deepinfer_core.models.layers import decoder
+
+    monkeypatch.setattr(envs, "DEEPINFER_PD_LAYER_GROUPS", 2)
+    pe = local_pe(Watched, chunked_prefill=True, max_num_batched_tokens=24)
+    free0 = pe.scheduler.block_manager.num_free_blocks
+    num_layers = pe.layout.num_layers
+    assert pe.worker.runner.want_layer_events and num_layers == 3
+    log, made = [], []
+
+    def queue_event(device):
+        made.append(_LayerEvent(log, len(made) % num_layers))
+        return made[-1]
+
+    monkeypatch.setattr(decoder, "_queue_event", queue_event)
+    real = pe.agent.write_blocks
+
+    def write(peer, local, *a, layers=None):
+        log.append(("post", len(local), (layers.start, layers.stop) if layers is not None else None))
+        return real(peer, local, *a, layers=layers)
+
+    monkeypatch.setattr(pe.agent, "write_blocks", write)
+    prompt = list(range(1, 70))  # chunks of 24, 24, 21 tokens; 9 blocks of 8
+    ids, results = _handoff(pe, ce, [prompt])
+    (r,) = results
+    assert r.ok and r.num_bytes == 9 * num_layers * pe.layout.block_bytes
+    posts = [e for e in log if e[0] == "post"]
+    # chunks 1 and 2: all layers at once; the last chunk: layers [0, 2) once layer 1 is written, then [2, 3)
+    assert posts == [("post", 3, None), ("post", 3, None), ("post", 3, (0, 2)), ("post", 3, (2, 3))]
+    tail = log[max(i for i, e in enumerate(log) if e == ("post", 3, None)) + 1 :]
+    assert tail == [("wait", 1), ("post", 3, (0, 2)), ("wait", 2), ("post", 3, (2, 3))]
+    assert all(pe.inflight_blocks_owned) and pe.scheduler.block_manager.num_free_blocks == free0
+    out = wait_ce(ce, ids)[ids[0]].outputs[0].token_ids
+    assert out == normal_reference([prompt], greedy(6))[0]

@@ -35,6 +35,10 @@ class AttentionMetadata:
     seq_lens_cpu: list[int]  # host copy of seq_lens
     is_decode_only: bool  # every sequence feeds exactly one token
     static_shapes: bool = False  # decode with fixed (B, W) shapes and no host sync (CUDA graphs)
+    kv_written: list | None = None
+    """When a list: each decoder layer appends, once its KV is in the cache, an event that
+    completes then (a CUDA event; None on CPU, where the forward is synchronous) — a prefill
+    engine sends a layer's KV as soon as it is written."""
 
     @property
     def num_seqs(self) -> int:

@@ -14,6 +14,14 @@ from deepinfer_core.models.layers.attention import AttentionMetadata
 from deepinfer_core.models.layers.norm import RMSNorm
 
 
+def _queue_event(device: torch.device) -> torch.cuda.Event | None:
+    if device.type != "cuda":
+        return None
+    event = torch.cuda.Event()
+    event.record()
+    return event
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, self_attn: nn.Module, mlp: nn.Module, hidden_size: int, eps: float, dtype: torch.dtype):
         super().__init__()
@@ -35,5 +43,7 @@ class DecoderLayer(nn.Module):
         else:
             x, residual = self.input_layernorm(x, residual)
         x = self.self_attn(x, rope, kv_cache, meta)
+        if meta.kv_written is not None:  # this layer's KV is in the cache once the queue gets here
+            meta.kv_written.append(_queue_event(x.device))
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual

@@ -91,6 +91,11 @@ def handoff(pe: PromptEngine, ce: EngineProcess, rid: str, prompt: list[int]) ->
         results = pe.pop_handoff_results()
     elapsed = time.perf_counter() - t
     assert results[0].ok, results[0].error
+    # let the CE finish the request before the next one: its decode step would otherwise delay
+    # the next reservation, and whichever variant runs second would pay for it
+    deadline = time.monotonic() + 60
+    while not any(o.request_id == rid and o.finished for o in ce.call("collect")[0]):
+        assert time.monotonic() < deadline, f"the CE did not finish {rid}"
     return elapsed, results[0]
 
 

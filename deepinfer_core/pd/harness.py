@@ -162,7 +162,9 @@ def _serve(conn, engine_type: EngineType, engine_args: dict[str, Any]) -> None:
     )
     busy = False
     while True:
-        while conn.poll(0 if busy else 0.002):
+        # One call (callers wait for each reply), then one turn of engine work: a caller that
+        # polls in a tight loop must not keep the engine from its next step.
+        if conn.poll(0 if busy else 0.002):
             method, args, kwargs = conn.recv()
             if method == "shutdown":
                 conn.send(("ok", None))

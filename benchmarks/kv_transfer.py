@@ -123,6 +123,25 @@ def raw_write(pe: PromptEngine, ce: EngineProcess, rid: str, num_tokens: int) ->
     return elapsed, transfer.num_bytes
 
 
+def engines(args, path: str, dtype: str, max_len: int, block_size: int, chunk: int = 0):
+    """(CE process, PE here, NORMAL engine here), connected and warmed up; `chunk`: chunked prefill."""
+    common = dict(model=path, dtype=dtype, max_model_len=max_len, block_size=block_size,
+                  max_num_batched_tokens=chunk or max_len, chunked_prefill=bool(chunk), enable_prefix_caching=False)  # fmt: skip
+    blocks = 2 * (max_len // block_size + 2)
+    ce = EngineProcess(
+        EngineType.COMPLETION,
+        {**common, "device": args.ce_device, "num_gpu_blocks": blocks, "stop_preempted_request": True},
+    )
+    pe = PromptEngine.from_engine_args(
+        EngineArgs(engine_type=EngineType.PROMPT, device=args.pe_device, num_gpu_blocks=blocks, **common)
+    )
+    normal = LLMEngine.from_engine_args(EngineArgs(device=args.pe_device, num_gpu_blocks=blocks, **common))
+    pe.connect_peer(ce.info["agent_name"], ce.info["agent_metadata"], ce.info["kv_region"])
+    handoff(pe, ce, "warmup", list(range(1, 64)))
+    normal_ttft(normal, "warmup", list(range(1, 64)))
+    return ce, pe, normal
+
+
 def normal_ttft(engine: LLMEngine, rid: str, prompt: list[int]) -> float:
     params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
     t = time.perf_counter()
@@ -157,26 +176,7 @@ def main() -> None:
         f"{'hand-off ms':>11} {'TTFT NORMAL ms':>14} {'TTFT P/D ms':>11} {'hand-off %':>10}"
     )
     for block_size in args.block_sizes:
-        common = dict(
-            model=path,
-            dtype=dtype,
-            max_model_len=max_len,
-            block_size=block_size,
-            max_num_batched_tokens=max_len,
-            enable_prefix_caching=False,
-        )
-        blocks = 2 * (max_len // block_size + 2)
-        ce = EngineProcess(
-            EngineType.COMPLETION,
-            {**common, "device": args.ce_device, "num_gpu_blocks": blocks, "stop_preempted_request": True},
-        )
-        pe = PromptEngine.from_engine_args(
-            EngineArgs(engine_type=EngineType.PROMPT, device=args.pe_device, num_gpu_blocks=blocks, **common)
-        )
-        normal = LLMEngine.from_engine_args(EngineArgs(device=args.pe_device, num_gpu_blocks=blocks, **common))
-        pe.connect_peer(ce.info["agent_name"], ce.info["agent_metadata"], ce.info["kv_region"])
-        handoff(pe, ce, "warmup", list(range(1, 64)))
-        normal_ttft(normal, "warmup", list(range(1, 64)))
+        ce, pe, normal = engines(args, path, dtype, max_len, block_size)
         for n in args.lengths:
             prompt = torch.randint(0, 1000, (n,), generator=torch.Generator().manual_seed(n)).tolist()
             pd_t, xfer_t, nbytes, normal_t = [], [], 0, []
@@ -217,24 +217,10 @@ def side_by_side(args, dtype: str, max_len: int, path: str) -> None:
         + " ".join(f"{'exposed ' + n + ' ms':>20}" for n in names) + " "
         + " ".join(f"{'share ' + n:>15}" for n in names)
     )  # fmt: skip
-    batched = args.chunk or max_len
     for block_size in args.block_sizes:
-        common = dict(model=path, dtype=dtype, max_model_len=max_len, block_size=block_size,
-                      max_num_batched_tokens=batched, chunked_prefill=bool(args.chunk), enable_prefix_caching=False)  # fmt: skip
-        blocks = 2 * (max_len // block_size + 2)
-        ce = EngineProcess(
-            EngineType.COMPLETION,
-            {**common, "device": args.ce_device, "num_gpu_blocks": blocks, "stop_preempted_request": True},
-        )
-        pe = PromptEngine.from_engine_args(
-            EngineArgs(engine_type=EngineType.PROMPT, device=args.pe_device, num_gpu_blocks=blocks, **common)
-        )
+        ce, pe, normal = engines(args, path, dtype, max_len, block_size, chunk=args.chunk)
         if args.chunk and args.layer_groups:
             pe.set_layer_groups(args.layer_groups)
-        normal = LLMEngine.from_engine_args(EngineArgs(device=args.pe_device, num_gpu_blocks=blocks, **common))
-        pe.connect_peer(ce.info["agent_name"], ce.info["agent_metadata"], ce.info["kv_region"])
-        handoff(pe, ce, "warmup", list(range(1, 64)))
-        normal_ttft(normal, "warmup", list(range(1, 64)))
         for n in args.lengths:
             prompt = torch.randint(0, 1000, (n,), generator=torch.Generator().manual_seed(n)).tolist()
             ttft, exposed = {v: [] for v in names}, {v: [] for v in names}

@@ -20,16 +20,18 @@ class PrefillRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., kv_target: _Optional[bytes] = ...) -> None: ...
 
 class PrefillReply(_message.Message):
-    __slots__ = ("first", "kv_bytes", "kv_seconds", "queue_seconds")
+    __slots__ = ("first", "kv_bytes", "kv_seconds", "queue_seconds", "kv_exposed_seconds")
     FIRST_FIELD_NUMBER: _ClassVar[int]
     KV_BYTES_FIELD_NUMBER: _ClassVar[int]
     KV_SECONDS_FIELD_NUMBER: _ClassVar[int]
     QUEUE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    KV_EXPOSED_SECONDS_FIELD_NUMBER: _ClassVar[int]
     first: _common_pb2.SampleDelta
     kv_bytes: int
     kv_seconds: float
     queue_seconds: float
-    def __init__(self, first: _Optional[_Union[_common_pb2.SampleDelta, _Mapping]] = ..., kv_bytes: _Optional[int] = ..., kv_seconds: _Optional[float] = ..., queue_seconds: _Optional[float] = ...) -> None: ...
+    kv_exposed_seconds: float
+    def __init__(self, first: _Optional[_Union[_common_pb2.SampleDelta, _Mapping]] = ..., kv_bytes: _Optional[int] = ..., kv_seconds: _Optional[float] = ..., queue_seconds: _Optional[float] = ..., kv_exposed_seconds: _Optional[float] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "params", "lease_s")

@@ -89,7 +89,13 @@ ROUTER_DECISIONS = Counter(
 ROUTER_RETRIES = Counter("deepinfer:router_retries_total", "Prefills retried on another worker.", ["reason"])
 KV_TRANSFER_SECONDS = Histogram(
     "deepinfer:kv_transfer_seconds",
-    "Posting to completion of one request's KV write, prefill to decode.",
+    "First post (an early chunk's, when streamed) to completion of one request's last KV write, prefill to decode.",
+    ["worker"],
+    buckets=_LATENCY_BUCKETS,
+)
+KV_HANDOFF_EXPOSED_SECONDS = Histogram(
+    "deepinfer:kv_handoff_exposed_seconds",
+    "End of a request's prefill forward to its KV being in the decode engine: what the hand-off adds to TTFT.",
     ["worker"],
     buckets=_LATENCY_BUCKETS,
 )

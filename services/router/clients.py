@@ -73,7 +73,7 @@ class GrpcWorkerClient:
             r = await self._prefill.Prefill(req, timeout=timeout)
         except grpc.aio.AioRpcError as e:
             raise error_from_rpc(e, self.name) from None
-        return PrefillResult(delta_from_proto(r.first), r.kv_bytes, r.kv_seconds, r.queue_seconds)
+        return PrefillResult(delta_from_proto(r.first), r.kv_bytes, r.kv_seconds, r.queue_seconds, r.kv_exposed_seconds)
 
     async def stream(self, request_id, timeout) -> AsyncIterator[SampleDelta]:
         call = self._decode.Stream(worker_pb2.StreamRequest(request_id=request_id), timeout=timeout)

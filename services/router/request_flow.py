@@ -144,6 +144,7 @@ class SampleFlow:
             self._release(pe, len(self.prompt))
         m.QUEUE_TIME.labels(self.router.model).observe(result.queue_seconds + (self._dispatched - self.arrival))
         m.KV_TRANSFER_SECONDS.labels(pe.worker_id).observe(result.kv_seconds)
+        m.KV_HANDOFF_EXPOSED_SECONDS.labels(pe.worker_id).observe(result.kv_exposed_seconds)
         m.KV_TRANSFER_BYTES.labels(pe.worker_id).inc(result.kv_bytes)
         return result
 

@@ -27,7 +27,10 @@ class PrefillResult:
     """The first token, its text and logprobs (never finished: the CE decides that)."""
     kv_bytes: int = 0
     kv_seconds: float = 0.0
+    """First post (an early chunk's, when streamed) to completion of the last KV write."""
     queue_seconds: float = 0.0
+    kv_exposed_seconds: float = 0.0
+    """End of the prefill forward to completion of every write: what the hand-off adds to TTFT."""
 
 
 @dataclass
@@ -102,7 +105,7 @@ class PrefillCore(WorkerCore):
                 continue
             first = OutputDiffer().diff(pending.last.outputs[0], pending.last.num_cached_tokens)
             first.finish_reason = first.stop_reason = None
-            result = PrefillResult(first, r.num_bytes, r.seconds, pending.queue_seconds or 0.0)
+            result = PrefillResult(first, r.num_bytes, r.seconds, pending.queue_seconds or 0.0, r.exposed_seconds)
             self._resolve(r.request_id, result)
 
     def _resolve(self, request_id: str, value) -> None:

@@ -27,7 +27,11 @@ class PrefillService(worker_pb2_grpc.PrefillServicer):
             request.request_id, list(request.prompt_token_ids), _params(request), request.kv_target
         )
         return worker_pb2.PrefillReply(
-            first=delta_to_proto(r.first), kv_bytes=r.kv_bytes, kv_seconds=r.kv_seconds, queue_seconds=r.queue_seconds
+            first=delta_to_proto(r.first),
+            kv_bytes=r.kv_bytes,
+            kv_seconds=r.kv_seconds,
+            queue_seconds=r.queue_seconds,
+            kv_exposed_seconds=r.kv_exposed_seconds,
         )
 
     @handles_errors

@@ -32,9 +32,11 @@ def test_gateway_metrics_have_counts_after_traffic(cluster):
         "deepinfer:e2e_request_latency_seconds",
         "deepinfer:request_queue_time_seconds",
         "deepinfer:kv_transfer_seconds",
+        "deepinfer:kv_handoff_exposed_seconds",
     ):
         assert _value(text, f"{histogram}_count") >= 3, histogram
     assert _value(text, "deepinfer:kv_transfer_bytes_total") > 0
+    assert _value(text, "deepinfer:kv_handoff_exposed_seconds_sum") > 0
     assert _value(text, "deepinfer:router_decisions_total", pool="prefill") >= 3
     assert _value(text, "deepinfer:router_decisions_total", pool="decode") >= 3
     assert _value(text, "deepinfer:generation_tokens_total") >= 15

@@ -98,10 +98,10 @@ def _grouped_decode(query, kv_cache, block_tables, seq_lens, scale, group, max_l
     share a KV head are laid out as that head's query rows. query [B, Hq, D] -> [B, Hq, D]."""
     B, W = block_tables.shape
     block_size, num_kv_heads, head_dim = kv_cache.shape[2], kv_cache.shape[3], kv_cache.shape[4]
-    blocks = kv_cache[block_tables.long()]  # [B, W, 2, bs, Hkv, D]
     S = W * block_size if max_len is None else max_len
-    k = blocks[:, :, 0].reshape(B, W * block_size, num_kv_heads, head_dim)[:, :S]
-    v = blocks[:, :, 1].reshape(B, W * block_size, num_kv_heads, head_dim)[:, :S]
+    idx = block_tables.long()  # K and V gathered apart, each straight into its contiguous [B, W, bs, Hkv, D]
+    k = kv_cache[idx, 0].view(B, W * block_size, num_kv_heads, head_dim)[:, :S]
+    v = kv_cache[idx, 1].view(B, W * block_size, num_kv_heads, head_dim)[:, :S]
     k = k.to(query.dtype).transpose(1, 2)  # [B, Hkv, S, D]
     v = v.to(query.dtype).transpose(1, 2)
     q = query.view(B, num_kv_heads, group, head_dim)  # [B, Hkv, group, D]

@@ -52,6 +52,36 @@ def test_ce_killed_mid_transfer_frees_pe_blocks_and_reports_the_error():
         ce2.close()
 
 
+class KillsPeerMidStream(PromptEngine):
+    """Kills the CE process once the first chunk's blocks have been posted (the prompt still prefilling)."""
+
+    victim = None
+
+    def pe_prepare_save_kvcache(self, scheduled, finished):
+        super().pe_prepare_save_kvcache(scheduled, finished)
+        if self.victim is not None and any(p.transfers for p in self._streams.values()):
+            self.victim.kill()
+            self.victim = None
+
+
+def test_ce_killed_while_chunks_stream_frees_pe_blocks_and_reports_the_error(monkeypatch):
+    from deepinfer_core import envs
+
+    monkeypatch.setattr(envs, "DEEPINFER_PD_STREAM_CHUNKS", True)
+    ce = start_ce()
+    pe = local_pe(KillsPeerMidStream, transfer_timeout_s=5.0, chunked_prefill=True, max_num_batched_tokens=24)
+    free0 = pe.scheduler.block_manager.num_free_blocks
+    prompt = list(range(1, 120))  # 5 chunks: the CE dies after the first chunk's write is posted
+    pe.add_prefill("streamed", reserve(ce, "streamed", prompt, greedy(8)), greedy(8), prompt)
+    pe.victim = ce
+    started = time.monotonic()
+    (r,) = run_pe(pe)
+    assert time.monotonic() - started < 60
+    assert not r.ok and r.error and not ce.alive
+    assert pe.scheduler.block_manager.num_free_blocks == free0
+    assert not pe.has_unfinished_requests() and not pe._streams
+
+
 @pytest.fixture(scope="module")
 def ce():
     proc = start_ce(lease_grace_s=1.5)

@@ -4,7 +4,7 @@ Hook bodies (SPEC §2, §4):
 - post_schedule: record which sequences complete their prompt this step (to hand off),
   and which computed only a chunk of it;
 - pe_prepare_save_kvcache: once the forward has written the KV, post the NIXL WRITEs
-  (all layers of a request's blocks in one transfer) and return without waiting —
+  (a request's blocks across all layers, or a layer group, in one transfer) without waiting —
   sampling still runs. A chunk that does not end its prompt sends the blocks it filled
   (DEEPINFER_PD_STREAM_CHUNKS) at the next step, behind that step's forward, so they travel
   while the next chunk computes and only the last chunk's blocks are left for the hand-off.

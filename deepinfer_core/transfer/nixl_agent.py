@@ -1,8 +1,9 @@
 """One NIXL agent per engine process: registers the paged KV buffer and writes blocks to peers.
 
 The cache is one region `[num_layers, num_blocks_total, *block]`, so (layer, block) sits at
-`base + (layer * num_blocks_total + block) * block_bytes`. A hand-off writes every layer of
-a request's blocks in ONE transfer. Descriptor lists of every (layer, block) region are
+`base + (layer * num_blocks_total + block) * block_bytes`. One transfer writes a run of a
+request's blocks across all layers, or across a range of layers (a PE sends the last chunk in
+layer groups as the forward writes them). Descriptor lists of every (layer, block) region are
 prepared once and a transfer is made from indices into them (NIXL merges neighbouring
 regions): building a request from fresh descriptors costs ~7 us per descriptor on the
 posting thread, which fragmented block tables would put on every hand-off. Preparing a list

@@ -137,6 +137,26 @@ def test_lease_expiring_during_prefill_never_writes_and_releases_the_quarantine(
     assert wait_free_blocks(ce, N, timeout_s=0.9) == N  # the PE's notice ends the quarantine early
 
 
+def test_lease_expiring_between_chunks_stops_the_stream_and_releases_the_quarantine(ce, monkeypatch):
+    from deepinfer_core import envs
+
+    monkeypatch.setattr(envs, "DEEPINFER_PD_STREAM_CHUNKS", True)
+    prompt = list(range(1, 70))
+    pe = local_pe(chunked_prefill=True, max_num_batched_tokens=24)
+    free0 = pe.scheduler.block_manager.num_free_blocks
+    writes, real = [], pe.agent.write_blocks
+    monkeypatch.setattr(pe.agent, "write_blocks", lambda *a, **kw: writes.append(a) or real(*a, **kw))
+    pe.add_prefill("late-chunks", reserve(ce, "late-chunks", prompt, greedy(4), lease_s=1.0), greedy(4), prompt)
+    pe.step()  # the first chunk; its blocks would go out with the next step
+    time.sleep(1.2)  # the lease ends before they do
+    (r,) = run_pe(pe)
+    assert not r.ok and "expired" in r.error and writes == []  # nothing written after the deadline
+    assert pe.scheduler.block_manager.num_free_blocks == free0
+    out = wait_ce(ce, ["late-chunks"], timeout_s=30)["late-chunks"]
+    assert out.outputs[0].finish_reason == "error"
+    assert wait_free_blocks(ce, N, timeout_s=0.9) == N  # the PE's notice ends the quarantine early
+
+
 def test_abort_on_the_pe_releases_the_ce_reservation(ce):
     pe = local_pe()
     target = reserve(ce, "gone", [1, 2, 3, 4], greedy(4))

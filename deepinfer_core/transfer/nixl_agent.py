@@ -204,14 +204,7 @@ class NixlKVAgent:
         """Block until the transfer completes; raises TransferError on error or timeout. Releases the handle."""
         deadline = time.monotonic() + timeout_s
         try:
-            while True:
-                state = self.poll(transfer)
-                if state == "DONE":
-                    self.bytes_sent += transfer.num_bytes
-                    self.transfers_done += 1
-                    return
-                if state == "ERR":
-                    raise TransferError(f"KV write to {transfer.peer} failed: {transfer.error or 'transfer error'}")
+            while not self._settle(transfer):
                 if time.monotonic() > deadline:
                     raise TransferError(f"KV write to {transfer.peer} did not complete within {timeout_s:.1f}s")
                 time.sleep(0)  # yield; the progress thread moves the data
@@ -221,6 +214,9 @@ class NixlKVAgent:
     def reap(self, transfer: Transfer) -> bool:
         """Non-blocking: True (and the handle released) once the transfer is DONE, False while it
         runs; raises TransferError (handle released) if it failed."""
+        return self._settle(transfer)
+
+    def _settle(self, transfer: Transfer) -> bool:
         state = self.poll(transfer)
         if state == "PROC":
             return False

@@ -89,11 +89,11 @@ class ModelRunner:
         self.use_cuda_graph = not config.enforce_eager and config.role.cuda_graphs_allowed and device.type == "cuda"
         self.graphs = None  # decode CUDA graphs, captured after the cache exists
         self.forward_event: Optional[torch.cuda.Event] = None
+        """Recorded after the last launched forward (CUDA): KV of that step is written once it completes."""
         self.want_layer_events = False
         """Record an event per decoder layer of prefill forwards (a PE sending KV layer by layer)."""
         self.layer_events: Optional[list] = None
         """The last forward's per-layer KV-written events (see `AttentionMetadata.kv_written`)."""
-        """Recorded after the last launched forward (CUDA): KV of that step is written once it completes."""
 
     # ---- step -------------------------------------------------------------------------
     @torch.inference_mode()

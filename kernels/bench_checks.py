@@ -174,6 +174,32 @@ class Checker:
             out = impl(qn, qp, cache, bt, lens, scale, num_splits=splits, config={**default, "TAIL_ONLY": tail_only})
             case = f"B={len(seq_lens)} H={H} lora={lora} rope={rope} splits={splits}" + (" tail-only masks" * tail_only)
             self.record("mla_decode_attention", case, out, ref, self.tol())
+        if self.device.type == "cuda" and torch.cuda.get_device_capability(self.device) == (9, 0):
+            self.mla_decode_hopper()
+
+    def mla_decode_hopper(self) -> None:
+        """The sm_90 warp-group kernel at DeepSeek's latent dims: ragged lengths (tails inside a page
+        and inside a 64-token tile), a partial head block, stale NaN past every sequence, splits."""
+        lora, rope, page = 512, 64, 16
+        seq_lens = [1, 37, 300, 129, 64, 1000]
+        num_blocks, bt = self.paged(seq_lens, page)
+        bt = bt + 1
+        cache = self.randn(num_blocks + 1, page, lora + rope)
+        lens = torch.tensor(seq_lens, dtype=torch.int32, device=self.device)
+        scale = 192**-0.5
+        impl = triton_module("mla_decode")
+        for H in (128, 80):
+            qn, qp = self.randn(len(seq_lens), H, lora), self.randn(len(seq_lens), H, rope)
+            ref = mla_decode_attention_ref(qn.float(), qp.float(), cache.float(), bt, lens, scale)
+            stale = cache.clone()
+            stale[0] = float("nan")
+            for i, n in enumerate(seq_lens):
+                if n % page:
+                    stale[bt[i, (n - 1) // page].long(), n % page :] = float("nan")
+            for splits in (None, 1, 3):
+                out = impl.mla_decode_attention(qn, qp, stale, bt, lens, scale, num_splits=splits)
+                case = f"B={len(seq_lens)} H={H} lora={lora} rope={rope} splits={splits} sm_90 warp groups"
+                self.record("mla_decode_attention", case, out, ref, self.tol())
 
     def moe_topk(self) -> None:
         T = 7 if self.small else 19

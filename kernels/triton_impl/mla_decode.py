@@ -191,6 +191,8 @@ def mla_decode_attention(
     q_nope = q_nope if q_nope.stride(-1) == 1 else q_nope.contiguous()
     q_pe = q_pe if q_pe.stride(-1) == 1 else q_pe.contiguous()
     cfg = config or default_config(H, lora, q_nope.dtype)
+    if cfg.get("kernel", "auto") != "tl" and _wgmma_supports(q_nope, q_pe, latent_cache):
+        return _mla_decode_wgmma(q_nope, q_pe, latent_cache, block_tables, seq_lens, scale, out, num_splits)
     block_h = min(cfg["BLOCK_H"], max(16, next_pow2(H)))
     head_blocks = triton.cdiv(H, block_h)
     if num_splits is None:
@@ -214,4 +216,36 @@ def mla_decode_attention(
     )  # fmt: skip
     if num_splits > 1:
         merge_splits(part_o, part_lse, out)
+    return out
+
+
+def _wgmma_supports(q_nope, q_pe, latent_cache) -> bool:
+    """The Hopper kernel applies (and its Gluon front end imports: Triton 3.6 or later)."""
+    if not q_nope.is_cuda:
+        return False
+    try:
+        from kernels.triton_impl import mla_decode_wgmma
+    except ImportError:
+        return False
+    return mla_decode_wgmma.supports(q_nope, q_pe, latent_cache)
+
+
+def _mla_decode_wgmma(q_nope, q_pe, latent_cache, block_tables, seq_lens, scale, out, num_splits):
+    from kernels.triton_impl import mla_decode_wgmma as hopper
+
+    B, H, lora = q_nope.shape
+    head_blocks = triton.cdiv(H, hopper.BLOCK_H)
+    if num_splits is None:  # one program per multiprocessor (the stages fill its shared memory)
+        num_splits = choose_num_splits(
+            B * head_blocks, block_tables.shape[1] * latent_cache.shape[1], sm_count(q_nope.device), per_sm=1
+        )
+    if num_splits > 1:
+        part_o = torch.empty((B, H, num_splits, lora), dtype=torch.float32, device=q_nope.device)
+        part_lse = torch.empty((B, H, num_splits), dtype=torch.float32, device=q_nope.device)
+        hopper.launch(q_nope, q_pe, latent_cache, block_tables, seq_lens, scale * LOG2E,
+                      part_o, part_o.stride()[:3], part_lse, part_lse.stride()[:2], num_splits)  # fmt: skip
+        merge_splits(part_o, part_lse, out)
+    else:
+        hopper.launch(q_nope, q_pe, latent_cache, block_tables, seq_lens, scale * LOG2E,
+                      out, (*out.stride()[:2], 0), out, (0, 0), 1)  # fmt: skip
     return out

@@ -220,12 +220,13 @@ def mla_decode_attention(
 
 
 def _wgmma_supports(q_nope, q_pe, latent_cache) -> bool:
-    """The Hopper kernel applies (and its Gluon front end imports: Triton 3.6 or later)."""
+    """The Hopper kernel applies (and its Gluon front end imports: Triton 3.6 or later; older
+    releases lack the module or some of its names)."""
     if not q_nope.is_cuda:
         return False
     try:
         from kernels.triton_impl import mla_decode_wgmma
-    except ImportError:
+    except (ImportError, AttributeError):
         return False
     return mla_decode_wgmma.supports(q_nope, q_pe, latent_cache)
 

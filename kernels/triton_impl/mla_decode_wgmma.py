@@ -39,18 +39,51 @@ NUM_WARPS = 8
 
 
 @gluon.jit
-def _issue_tile(kc_buf, kr_buf, cache_ptr, bt_row, n0, end, stride_cb, stride_cs,
-                LORA: gl.constexpr, ROPE: gl.constexpr, PAGE: gl.constexpr, BLOCK_N: gl.constexpr,
-                load_layout: gl.constexpr):  # fmt: skip
-    """Start the cp.async gather of tokens [n0, n0 + BLOCK_N) into one stage; rows past `end` read zeros."""
+def _tile_pages(bt_row, n0, end, PAGE: gl.constexpr, BLOCK_N: gl.constexpr, load_layout: gl.constexpr):
+    """Page id of each token in [n0, n0 + BLOCK_N) (0 past `end`), for the cp.async gather."""
+    offs_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, load_layout))
+    return gl.load(bt_row + offs_n // PAGE, mask=offs_n < end, other=0)
+
+
+@gluon.jit
+def _gather_tile(kc_buf, kr_buf, cache_ptr, page, n0, end, stride_cb, stride_cs,
+                 LORA: gl.constexpr, ROPE: gl.constexpr, PAGE: gl.constexpr, BLOCK_N: gl.constexpr,
+                 load_layout: gl.constexpr):  # fmt: skip
+    """cp.async gather of tokens [n0, n0 + BLOCK_N) into one stage; rows past `end` read zeros."""
     offs_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, load_layout))
     nmask = offs_n < end
-    page = gl.load(bt_row + offs_n // PAGE, mask=nmask, other=0).to(gl.int64)
-    row = cache_ptr + page * stride_cb + (offs_n % PAGE).to(gl.int64) * stride_cs
+    row = cache_ptr + page.to(gl.int64) * stride_cb + (offs_n % PAGE).to(gl.int64) * stride_cs
     offs_c = gl.arange(0, LORA, layout=gl.SliceLayout(0, load_layout))
     offs_r = gl.arange(0, ROPE, layout=gl.SliceLayout(0, load_layout))
     _async_load(kc_buf, row[:, None] + offs_c[None, :], mask=nmask[:, None])
     _async_load(kr_buf, row[:, None] + LORA + offs_r[None, :], mask=nmask[:, None])
+
+
+@gluon.jit
+def _attend_tile(qn_smem, qp_smem, kc, kr, p_smem, m_i, l_acc, acc, n0, end, qk_scale,
+                 s_layout: gl.constexpr, o_layout: gl.constexpr):  # fmt: skip
+    """One tile of the online softmax, its latent rows in shared memory (`kc`, `kr`)."""
+    BLOCK_H: gl.constexpr = qn_smem.shape[0]
+    BLOCK_N: gl.constexpr = kc.shape[0]
+    s = warpgroup_mma(qn_smem, kc.permute((1, 0)), gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=s_layout),
+                      use_acc=False, is_async=True)  # fmt: skip
+    s = warpgroup_mma(qp_smem, kr.permute((1, 0)), s, is_async=True)
+    s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+    s = s * qk_scale  # log2 units
+    cols = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+    s = gl.where((cols < end)[None, :], s, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(s, axis=1))  # the two warp groups' halves of each row meet here
+    alpha = gl.exp2(m_i - m_new)
+    p = gl.exp2(s - m_new[:, None])
+    l_acc = l_acc * alpha[:, None] + p
+    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+    p_smem.store(p.to(p_smem.dtype))
+    fence_async_shared()
+    _cta_barrier()  # both halves of P are in shared memory
+    acc = warpgroup_mma(p_smem, kc, acc, is_async=True)  # the latent is the value
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+    _cta_barrier()  # P and this stage are free for the next writes
+    return m_new, l_acc, acc
 
 
 @gluon.jit
@@ -83,7 +116,6 @@ def _mla_decode_wgmma_kernel(
     split_len = gl.cdiv(gl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
     start = split * split_len
     end = gl.minimum(start + split_len, seq_len)
-    n_tiles = gl.cdiv(gl.maximum(end - start, 0), BLOCK_N)
 
     qn_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, LORA], qn_sl)
     qp_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, ROPE], qp_sl)
@@ -98,44 +130,30 @@ def _mla_decode_wgmma_kernel(
     _async_load(qn_smem, qn_ptr + b * stride_qnb + heads_l[:, None] * stride_qnh + offs_c[None, :], mask=hmask_l)
     _async_load(qp_smem, qp_ptr + b * stride_qpb + heads_l[:, None] * stride_qph + offs_r[None, :], mask=hmask_l)
     bt_row = bt_ptr + b * stride_btb
-    if n_tiles > 0:
-        _issue_tile(kc_smem.index(0), kr_smem.index(0), cache_ptr, bt_row, start, end, stride_cb, stride_cs,
-                    LORA, ROPE, PAGE, BLOCK_N, load_layout)  # fmt: skip
-    cp.commit_group()
-
     m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_layout))
     l_acc = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=s_layout)  # row sums, reduced once at the end
     acc = gl.zeros([BLOCK_H, LORA], gl.float32, layout=o_layout)
-    cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+    n_tiles = gl.cdiv(gl.maximum(end - start, 0), BLOCK_N)
+    if n_tiles > 0:
+        _gather_tile(kc_smem.index(0), kr_smem.index(0), cache_ptr,
+                     _tile_pages(bt_row, start, end, PAGE, BLOCK_N, load_layout), start, end, stride_cb, stride_cs,
+                     LORA, ROPE, PAGE, BLOCK_N, load_layout)  # fmt: skip
+    cp.commit_group()
+    # the next tile's page ids, read a tile ahead: the block table's latency stays off the loop
+    pages = _tile_pages(bt_row, start + BLOCK_N, end, PAGE, BLOCK_N, load_layout)
     for i in range(n_tiles):
         stage = i % 2
+        n0 = start + i * BLOCK_N
         if i + 1 < n_tiles:  # the other stage was last read by the previous tile, which has finished
-            _issue_tile(kc_smem.index(1 - stage), kr_smem.index(1 - stage), cache_ptr, bt_row,
-                        start + (i + 1) * BLOCK_N, end, stride_cb, stride_cs, LORA, ROPE, PAGE, BLOCK_N,
-                        load_layout)  # fmt: skip
+            _gather_tile(kc_smem.index(1 - stage), kr_smem.index(1 - stage), cache_ptr, pages, n0 + BLOCK_N, end,
+                         stride_cb, stride_cs, LORA, ROPE, PAGE, BLOCK_N, load_layout)  # fmt: skip
         cp.commit_group()
+        pages = _tile_pages(bt_row, n0 + 2 * BLOCK_N, end, PAGE, BLOCK_N, load_layout)
         cp.wait_group(1)  # this thread's copies of tile i (and Q) are in
         fence_async_shared()
         _cta_barrier()  # ... and every other thread's
-        kc = kc_smem.index(stage)
-        s = warpgroup_mma(qn_smem, kc.permute((1, 0)), gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=s_layout),
-                          use_acc=False, is_async=True)  # fmt: skip
-        s = warpgroup_mma(qp_smem, kr_smem.index(stage).permute((1, 0)), s, is_async=True)
-        s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
-        s = s * qk_scale  # log2 units
-        s = gl.where((start + i * BLOCK_N + cols < end)[None, :], s, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(s, axis=1))
-        alpha = gl.exp2(m_i - m_new)
-        p = gl.exp2(s - m_new[:, None])
-        l_acc = l_acc * alpha[:, None] + p
-        m_i = m_new
-        p_smem.store(p.to(dtype))
-        fence_async_shared()
-        _cta_barrier()  # both halves of P are in shared memory
-        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-        acc = warpgroup_mma(p_smem, kc, acc, is_async=True)  # the latent is the value
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        _cta_barrier()  # P and this stage are free for the next tile's writes
+        m_i, l_acc, acc = _attend_tile(qn_smem, qp_smem, kc_smem.index(stage), kr_smem.index(stage), p_smem,
+                                       m_i, l_acc, acc, n0, end, qk_scale, s_layout, o_layout)  # fmt: skip
     cp.wait_group(0)
 
     l_i = gl.sum(l_acc, axis=1)

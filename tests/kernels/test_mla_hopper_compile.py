@@ -1,0 +1,65 @@
+"""The sm_90 MLA decode kernel (Gluon) cannot run without a Hopper GPU, but it compiles anywhere:
+build it for sm_90 with the installed Triton and check what the kernel's design promises.
+
+- Each tile's tensor-core work is issued once: per warp group, 36 `m64n32k16` instructions for the
+  scores (64 heads x 32 tokens, 576 deep) and 4 `m64n256k16` for P.V (256 of the 512 output
+  dims, 64 tokens deep). The `tl.dot` kernel issues 72 + 4: both warp groups compute every score.
+- It fits one multiprocessor: shared memory within the 227 KiB an sm_90 block may have, and no
+  register spills (a spill in the loop would cost more than the split saves).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+
+import pytest
+
+triton = pytest.importorskip("triton")
+try:
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from kernels.triton_impl import mla_decode_wgmma as hopper
+except (ImportError, AttributeError) as exc:  # a Triton without Gluon, or an older Gluon
+    pytest.skip(f"no Gluon front end for the sm_90 kernel: {exc}", allow_module_level=True)
+
+SM90_SHARED_LIMIT = 227 * 1024
+POINTERS = ("qn_ptr", "qp_ptr", "cache_ptr", "bt_ptr", "seq_lens_ptr", "out_ptr", "lse_ptr")
+STRIDES = ("stride_qnb", "stride_qnh", "stride_qpb", "stride_qph", "stride_cb", "stride_cs", "stride_btb",
+           "stride_ob", "stride_oh", "stride_os", "stride_lb", "stride_lh")  # fmt: skip
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["one split", "split partials"])
+def compiled(request):
+    fn = hopper._mla_decode_wgmma_kernel
+    consts = dict(LORA=512, ROPE=64, PAGE=16, BLOCK_H=hopper.BLOCK_H, BLOCK_N=hopper.BLOCK_N, WRITE_LSE=request.param)
+    sig = {name: "*bf16" for name in POINTERS} | {"bt_ptr": "*i32", "seq_lens_ptr": "*i32", "lse_ptr": "*fp32"}
+    sig |= {name: "i32" for name in STRIDES} | {"qk_scale": "fp32", "NUM_HEADS": "i32", "num_splits": "i32"}
+    sig |= {name: "constexpr" for name in consts}
+    aligned = [n for n in POINTERS + STRIDES if n not in ("stride_os", "stride_lh")]
+    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned}
+    src = GluonASTSource(fn, sig, constexprs=consts, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=hopper.NUM_WARPS))
+
+
+def test_each_tile_issues_its_tensor_core_work_once(compiled) -> None:
+    shapes = re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)", compiled.asm["ptx"])
+    assert sorted(set(shapes)) == ["m64n256k16", "m64n32k16"], shapes
+    assert shapes.count("m64n32k16") == 36 and shapes.count("m64n256k16") == 4, shapes
+
+
+def test_fits_one_multiprocessor_without_spills(compiled) -> None:
+    assert compiled.metadata.shared <= SM90_SHARED_LIMIT
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    if not os.path.exists(cuobjdump):
+        pytest.skip("Triton ships no cuobjdump here")
+    with open(os.path.join(os.environ.get("TMPDIR", "/tmp"), f"mla_sm90_{os.getpid()}.cubin"), "wb") as f:
+        f.write(compiled.asm["cubin"])
+    try:
+        usage = subprocess.run([cuobjdump, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
+    finally:
+        os.unlink(f.name)
+    line = next(ln for ln in usage.splitlines() if "REG:" in ln)
+    assert "STACK:0 " in line and "LOCAL:0 " in line, line

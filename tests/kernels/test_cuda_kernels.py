@@ -74,3 +74,27 @@ def test_greedy_generation_on_cuda_with_graphs_matches_hf(checkpoint) -> None:
         with torch.inference_mode():
             want = hf.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False, pad_token_id=0)
         assert o.outputs[0].token_ids == want[0, len(p) :].tolist()
+
+
+@pytest.mark.skipif(torch.cuda.get_device_capability() != (9, 0), reason="the warp-group MLA kernel is sm_90's")
+def test_deepseek_decode_through_the_sm90_mla_kernel_matches_the_torch_path(tmp_path) -> None:
+    """DeepSeek-V3 attention at its real head count and latent dims (128 heads, 512 + 64) in bf16:
+    decode logits through the engine's paged cache with the Triton kernels (the sm_90 warp-group
+    MLA kernel among them) against the same model on the pure-torch ops."""
+    save_hf_checkpoint("deepseek_v3", tmp_path, seed=3, num_attention_heads=128, num_key_value_heads=128,
+                       kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=32, v_head_dim=32,
+                       rope_scaling=None)  # fmt: skip
+    model = load_model(model_config_for(tmp_path, dtype=torch.bfloat16), "cuda")
+    prompts = {"a": _prompt(70, 3), "b": _prompt(150, 4), "c": _prompt(5, 5)}
+    logits = {}
+    for backend in ("triton", "torch"):
+        registry.set_backend(backend)
+        try:
+            runner = PagedRunner(model, block_size=16, num_blocks=64)
+            runner.step(list(prompts.items()))
+            steps = [runner.step([(s, [int(t)]) for s, t in zip(prompts, (7, 8, 9), strict=True)]) for _ in range(3)]
+            logits[backend] = torch.stack([torch.cat(step) for step in steps]).float()
+        finally:
+            registry.set_backend("auto")
+    err = (logits["triton"] - logits["torch"]).norm() / logits["torch"].norm()
+    assert err < 2e-2, err

@@ -6,6 +6,10 @@ q_nope·c_kv + q_pe·k_pe (q_nope already multiplied by W_UK), and its output st
 latent space (the caller applies W_UV). One program per (sequence, block of heads, split):
 a block of heads shares every latent tile it loads, and the tile loaded for the scores is
 reused as the value.
+
+On sm_90, at 16 bits with DeepSeek's latent dims and at least 64 heads, `mla_decode_attention` runs
+the warp-group kernel of `mla_decode_wgmma` instead (written in Gluon: `tl.dot` would have both warp
+groups compute every score); `config={"kernel": "tl"}` keeps this one.
 """
 
 from __future__ import annotations

@@ -17,6 +17,7 @@ import torch
 
 from kernels import ops
 from kernels.attention_refs import paged_decode_attention_ref, paged_prefill_attention_ref
+from kernels.fp8 import quantize_block_fp8
 from kernels.fused_moe import fused_experts_ref, moe_align_ref, moe_topk_ref
 from kernels.mla_decode import mla_decode_attention_ref
 from kernels.registry import triton_module
@@ -265,6 +266,26 @@ class Checker:
         up, down = (dict(c, TMA=True) for c in impl.default_configs(T * k, E, x.dtype))
         out = impl.fused_experts(x, w13, w2, weights, ids, configs=(up, down))
         self.record("fused_experts", f"T={T} H={H} I={inter} E={E} k={k} TMA", out, ref, self.tol())
+        self.fused_experts_fp8()
+
+    def fused_experts_fp8(self) -> None:
+        """Block-scaled FP8 expert weights: blocks that do not divide the sizes (partial last blocks,
+        the up half's factors starting mid-way), decode- and prefill-sized batches."""
+        T, H, inter, E, k = (5, 24, 40, 6, 2) if self.small else (19, 200, 136, 12, 3)
+        block = (16, 16) if self.small else (64, 64)
+        gate, up, down = (self.randn(E, inter, H, scale=H**-0.5), self.randn(E, inter, H, scale=H**-0.5),
+                          self.randn(E, H, inter, scale=inter**-0.5))  # fmt: skip
+        (gq, gs), (uq, us), (w2, s2) = (quantize_block_fp8(w, block) for w in (gate, up, down))
+        w13, s13 = torch.cat([gq, uq], dim=1), torch.cat([gs, us], dim=1)
+        for rows in (T, 7 * T if self.small else 301):
+            x = self.randn(rows, H)
+            weights, ids = moe_topk_ref(self.randn(rows, E, dtype=torch.float32), k)
+            fp8 = dict(w13_scale=s13, w2_scale=s2, fp8_block=block)
+            ref = fused_experts_ref(x.float(), w13, w2, weights, ids, **fp8)
+            out = ops.fused_experts(x, w13, w2, weights, ids, backend="triton", **fp8)
+            self.record(
+                "fused_experts", f"T={rows} H={H} I={inter} E={E} k={k} FP8 {list(block)}", out, ref, self.tol()
+            )
 
     def all_checks(self) -> dict[str, Callable[[], None]]:
         return {

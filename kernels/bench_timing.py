@@ -18,6 +18,7 @@ from triton.testing import do_bench, do_bench_cudagraph
 from kernels import ops
 from kernels.attention_refs import paged_decode_attention_ref
 from kernels.cache_ops import copy_blocks_ref
+from kernels.fp8 import dequantize_block_fp8, quantize_block_fp8
 from kernels.fused_moe import fused_moe_ref, moe_topk_ref
 from kernels.mla_decode import mla_decode_attention_ref
 from kernels.paged_attention import reshape_and_cache_static
@@ -182,25 +183,41 @@ class Bench:
             return mha
 
     # -- MoE ----------------------------------------------------------------------------------
-    def moe(self, name: str, T: int, H: int, inter: int, E: int, k: int, **routing) -> None:
+    def moe(self, name: str, T: int, H: int, inter: int, E: int, k: int, fp8: bool = False, **routing) -> None:
+        """`fp8`: the expert weights block-scaled FP8 ([128, 128], DeepSeek-V3's release), its baseline
+        the bf16 kernel on the same (dequantized) weights."""
         torch.manual_seed(T + E)
         w13 = torch.randn(E, 2 * inter, H, device=DEV, dtype=BF16).mul_(H**-0.5)
         w2 = torch.randn(E, H, inter, device=DEV, dtype=BF16).mul_(inter**-0.5)
+        scales, wbytes = {}, 2
+        if fp8:
+            block = (128, 128)
+            (gq, gs), (uq, us), (w2, s2) = (quantize_block_fp8(w, block) for w in (w13[:, :inter], w13[:, inter:], w2))
+            w13, wbytes = torch.cat([gq, uq], dim=1), 1
+            scales = dict(w13_scale=torch.cat([gs, us], dim=1), w2_scale=s2, fp8_block=block)
+            bf16_w13 = torch.cat(
+                [dequantize_block_fp8(gq, gs, block, BF16), dequantize_block_fp8(uq, us, block, BF16)], 1
+            )
+            bf16_w2 = dequantize_block_fp8(w2, s2, block, BF16)
         x = torch.randn(T, H, device=DEV, dtype=BF16)
         logits = torch.randn(T, E, device=DEV, dtype=torch.float32)
         if routing.pop("bias", False):
             routing["correction_bias"] = torch.randn(E, device=DEV) * 0.1
         _, ids = moe_topk_ref(logits, k, **routing)
         active = int(torch.unique(ids).numel())
-        nbytes = active * 3 * H * inter * 2 + 2 * x.nbytes + logits.nbytes
+        nbytes = active * 3 * H * inter * wbytes + 2 * x.nbytes + logits.nbytes
         flops = 6 * T * k * H * inter
-        shape = f"{name} T={T} (experts touched {active}/{E})"
+        shape = f"{name} T={T} (experts touched {active}/{E})" + (" FP8 [128,128]" if fp8 else "")
 
-        def run(cfgs=None):
+        def run(cfgs=None, w13=w13, w2=w2, scales=scales):
             w, i = ops.moe_topk(logits, k, backend="triton", **routing)
-            return triton_module("fused_moe").fused_experts(x, w13, w2, w, i, configs=cfgs)
+            return triton_module("fused_moe").fused_experts(x, w13, w2, w, i, configs=cfgs, **scales)
 
         decode = T * k <= 16 * E  # timed as CUDA-graph replays, as the engine's decode runs it
+        if fp8:
+            self.add("fused_moe", shape + (" (graph replay)" if decode else ""), run, nbytes, flops,
+                     "bf16 kernel", partial(run, w13=bf16_w13, w2=bf16_w2, scales={}), graph=decode)  # fmt: skip
+            return
         self.add("fused_moe", shape + (" (graph replay; torch ref eager: it syncs)" if decode else ""), run, nbytes,
                  flops, "torch ref", lambda: fused_moe_ref(x, w13, w2, logits, k, **routing), graph=decode,
                  base_graph=False)  # fmt: skip
@@ -262,6 +279,8 @@ def run_timings(sweep: list[str] | None = None, only: list[str] | None = None) -
         for T in (64, 8192):
             b.moe("Qwen3-30B-A3B", T, 2048, 768, 128, 8, scoring="softmax")
             b.moe("DeepSeek-V3", T, 7168, 2048, 256, 8, **DEEPSEEK_ROUTING)
+            torch.cuda.empty_cache()
+            b.moe("DeepSeek-V3", T, 7168, 2048, 256, 8, fp8=True, **DEEPSEEK_ROUTING)
             torch.cuda.empty_cache()
     if want("small_ops"):
         b.small_ops()

@@ -26,6 +26,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kernels.fp8 import dequantize_block_fp8
+
 
 def moe_topk_ref(
     router_logits: torch.Tensor,  # [T, E]
@@ -96,12 +98,17 @@ def fused_experts_ref(
     w2: torch.Tensor,  # [E, H, I]
     topk_weights: torch.Tensor,  # [T, k]
     topk_ids: torch.Tensor,  # [T, k] int
+    *,
+    w13_scale: torch.Tensor | None = None,  # FP8 weights: block factors (kernels.fp8)
+    w2_scale: torch.Tensor | None = None,
+    fp8_block: tuple[int, int] = (128, 128),
 ) -> torch.Tensor:  # [T, H]
     """Rows sorted by expert, one GEMM pair per expert (one host sync for the counts).
 
     Roundings are the Triton kernel's (and HF's eager experts'): the GEMMs' outputs and silu in
     the activation dtype, each expert's output times its fp32 weight rounded to the activation
-    dtype, the k rows summed in fp32."""
+    dtype, the k rows summed in fp32. FP8 weights are dequantized per expert to fp32 and each GEMM
+    runs in fp32 before the same rounding (the kernel's scaled partial dots, up to summation order)."""
     T, k = topk_ids.shape
     inter = w13.shape[1] // 2
     flat = topk_ids.reshape(-1).long()
@@ -116,12 +123,28 @@ def fused_experts_ref(
         if n == 0:
             continue
         rows = slice(start, start + n)
-        gate_up = x[rows] @ w13[e].t()  # [n, 2I]
+        if w13_scale is None:
+            gate_up = x[rows] @ w13[e].t()  # [n, 2I]
+        else:
+            gate_up = (x[rows].float() @ _dequantized_w13(w13[e], w13_scale[e], fp8_block).t()).to(hidden.dtype)
         h = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
-        y = (h @ w2[e].t()).float() * topk_weights.reshape(-1)[order[rows]].float()[:, None]
+        if w2_scale is None:
+            y = (h @ w2[e].t()).float()
+        else:
+            y = (h.float() @ dequantize_block_fp8(w2[e], w2_scale[e], fp8_block).t()).to(hidden.dtype).float()
+        y = y * topk_weights.reshape(-1)[order[rows]].float()[:, None]
         out.index_add_(0, tokens[rows], y.to(hidden.dtype).float())
         start += n
     return out.to(hidden.dtype)
+
+
+def _dequantized_w13(w13: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """One expert's [2I, H] gate/up weight in fp32: gate and up were quantized (and their factors
+    stacked) separately, so each half takes its own rows of factors."""
+    inter = w13.shape[0] // 2
+    half = scale.shape[0] // 2
+    return torch.cat([dequantize_block_fp8(w13[:inter], scale[:half], block),
+                      dequantize_block_fp8(w13[inter:], scale[half:], block)])  # fmt: skip
 
 
 def fused_moe_ref(

@@ -99,11 +99,12 @@ def moe_align(topk_ids, num_experts, block_m, *, backend=None):
     return moe_refs.moe_align_ref(topk_ids, num_experts, block_m)
 
 
-def fused_experts(hidden, w13, w2, topk_weights, topk_ids, *, backend=None) -> torch.Tensor:
-    """sum_k w[t,k] * down_e(silu(gate_e(x)) * up_e(x)), e = ids[t,k]. hidden [T, H] -> [T, H]."""
+def fused_experts(hidden, w13, w2, topk_weights, topk_ids, *, backend=None, **fp8) -> torch.Tensor:
+    """sum_k w[t,k] * down_e(silu(gate_e(x)) * up_e(x)), e = ids[t,k]. hidden [T, H] -> [T, H].
+    FP8 expert weights: `w13_scale=`, `w2_scale=`, `fp8_block=` (see `kernels.fp8`)."""
     if use_triton(hidden, backend):
-        return triton_module("fused_moe").fused_experts(hidden, w13, w2, topk_weights, topk_ids)
-    return moe_refs.fused_experts_ref(hidden, w13, w2, topk_weights, topk_ids)
+        return triton_module("fused_moe").fused_experts(hidden, w13, w2, topk_weights, topk_ids, **fp8)
+    return moe_refs.fused_experts_ref(hidden, w13, w2, topk_weights, topk_ids, **fp8)
 
 
 def fused_moe(hidden, w13, w2, router_logits, top_k, *, backend=None, **routing) -> torch.Tensor:

@@ -10,7 +10,8 @@ top-k. Both read as `RoutingConfig`s. The paged cache holds one latent vector pe
 (`kv_cache_block_shape` -> [block_size, kv_lora_rank + qk_rope_head_dim]).
 
 A V3 checkpoint's multi-token-prediction layers (`model.layers.<num_hidden_layers + i>.*`) are
-skipped on load; quantized (FP8) checkpoints are refused by the loader.
+skipped on load. From the FP8 release (block-scaled e4m3) the routed experts, the bulk of the
+weights, stay FP8; the loader dequantizes the other projections to the model dtype.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from deepinfer_core.models.layers.mlp import SwiGLUMLP
 from deepinfer_core.models.layers.moe import RoutingConfig, SparseMoeBlock
 from deepinfer_core.models.layers.norm import RMSNorm
 from deepinfer_core.models.layers.rotary import get_rope, rope_parameters, yarn_mscale
+from deepinfer_core.models.quantization import fp8_block_size
 from deepinfer_core.models.weights import expected_weight_names, load_weights_by_name
 
 
@@ -73,6 +75,7 @@ class DeepseekArgs:
     mla: MLAArgs
     rms_norm_eps: float
     tie_word_embeddings: bool
+    fp8_block: tuple[int, int] | None = None  # an FP8 checkpoint's routed experts stay FP8
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> DeepseekArgs:
@@ -106,6 +109,7 @@ class DeepseekArgs:
             mla=mla,
             rms_norm_eps=eps,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            fp8_block=fp8_block_size(cfg),
         )
 
     def is_moe_layer(self, i: int) -> bool:
@@ -116,7 +120,9 @@ def _feed_forward(args: DeepseekArgs, i: int, dtype: torch.dtype) -> nn.Module:
     if not args.is_moe_layer(i):
         return SwiGLUMLP(args.hidden_size, args.intermediate_size, dtype=dtype)
     shared = args.moe_intermediate_size * args.n_shared_experts
-    return SparseMoeBlock(args.routing, args.hidden_size, args.moe_intermediate_size, dtype, shared)
+    return SparseMoeBlock(
+        args.routing, args.hidden_size, args.moe_intermediate_size, dtype, shared, fp8_block=args.fp8_block
+    )
 
 
 class DeepseekModel(nn.Module):
@@ -189,6 +195,10 @@ class DeepseekV3ForCausalLM(nn.Module):
             if layer >= self.args.num_layers:
                 return None  # multi-token-prediction layers: not used for decoding here
         return name
+
+    def keeps_fp8(self, name: str) -> bool:
+        """From an FP8 checkpoint, the routed experts' weights stay FP8 (the rest is dequantized)."""
+        return self.args.fp8_block is not None and ".mlp.experts." in name
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         return load_weights_by_name(self, weights, self._rename)

@@ -20,7 +20,9 @@ Optional model attributes the loader honours:
     `holds_weight(name)` (vision encoders): whether a checkpoint tensor is theirs, so
         `load_vision_encoder` reads only the vision tower and projector of a multimodal checkpoint.
 
-Quantized checkpoints (a `quantization_config`, e.g. DeepSeek-V3's FP8 release) are refused.
+Quantized checkpoints: block-scaled FP8 (DeepSeek-V3's release) loads (`quantization`); the
+model's `keeps_fp8(name)` says which FP8 weights it stores as they are, the rest are dequantized
+on the way in. Other quantizations are refused.
 """
 
 from __future__ import annotations
@@ -37,7 +39,9 @@ from tqdm import tqdm
 
 from deepinfer_core.config import ModelConfig
 from deepinfer_core.models.hf_config import normalize_hf_config
+from deepinfer_core.models.quantization import dequantize_fp8_stream, fp8_block_size
 from deepinfer_core.models.registry import get_model_class, get_vision_encoder_class
+from kernels.fp8 import FP8_DTYPE
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -56,7 +60,7 @@ def load_model(model_config: ModelConfig, device: str | torch.device) -> nn.Modu
             or a `max_model_len` the model cannot serve.
     """
     hf_config = normalize_hf_config(model_config.hf_config)
-    check_not_quantized(hf_config)
+    fp8_block = fp8_block_size(hf_config)  # raises for quantizations that do not load
     model_cls = get_model_class(hf_config)
     dummy = model_config.load_format == "dummy"
     shards = None if model_config.builtin or dummy else read_tensor_names(weight_files(model_config.path))
@@ -69,7 +73,7 @@ def load_model(model_config: ModelConfig, device: str | torch.device) -> nn.Modu
     elif shards is None:
         init_builtin_weights(model, model_config.seed, std)
     else:
-        load_checkpoint(model, shards)
+        load_checkpoint(model, shards, fp8_block)
     return model.eval()
 
 
@@ -94,19 +98,8 @@ def load_vision_encoder(model_config: ModelConfig, device: str | torch.device) -
     with torch.device(device):
         encoder = encoder_cls(hf_config, model_config.dtype)
     held = {f: [n for n in names if encoder.holds_weight(n)] for f, names in shards.items()}
-    load_checkpoint(encoder, {f: names for f, names in held.items() if names})
+    load_checkpoint(encoder, {f: names for f, names in held.items() if names}, fp8_block_size(hf_config))
     return encoder.eval()
-
-
-def check_not_quantized(hf_config: dict) -> None:
-    """ValueError for checkpoints stored quantized (e.g. DeepSeek-V3's FP8 release)."""
-    quant = hf_config.get("quantization_config")
-    if quant:
-        method = quant.get("quant_method", "unknown") if isinstance(quant, dict) else quant
-        raise ValueError(
-            f"quantized checkpoints are not supported (quantization_config.quant_method={method!r}); "
-            "convert the weights to bf16/fp16 first"
-        )
 
 
 def weight_files(path: str) -> list[str]:
@@ -167,17 +160,24 @@ def iter_tensors(shards: dict[str, list[str]]) -> Iterator[tuple[str, torch.Tens
                     bar.update()
 
 
-def load_checkpoint(model: nn.Module, shards: dict[str, list[str]]) -> None:
-    """Stream every tensor into `model.load_weights`, then insist nothing is missing or left over."""
+def load_checkpoint(model: nn.Module, shards: dict[str, list[str]], fp8_block: tuple[int, int] | None = None) -> None:
+    """Stream every tensor into `model.load_weights`, then insist nothing is missing or left over.
+    From a block-FP8 checkpoint (`fp8_block`), weights the model does not keep in FP8 arrive
+    dequantized."""
     seen: list[str] = []
+    absorbed: set[str] = set()  # FP8 factors used up by dequantizing their weight
 
     def tracked() -> Iterator[tuple[str, torch.Tensor]]:
         for name, tensor in iter_tensors(shards):
             seen.append(name)
             yield name, tensor
 
-    consumed = model.load_weights(tracked())
-    check_loaded(model, seen, consumed)
+    stream = tracked()
+    if fp8_block is not None:
+        keeps_fp8 = getattr(model, "keeps_fp8", lambda name: False)
+        stream = dequantize_fp8_stream(stream, fp8_block, keeps_fp8, absorbed)
+    consumed = model.load_weights(stream)
+    check_loaded(model, seen, consumed | absorbed)
 
 
 def _expected_names(model: nn.Module) -> set[str]:
@@ -200,14 +200,22 @@ def check_loaded(model: nn.Module, seen: list[str], consumed: set[str]) -> None:
         raise ValueError(f"checkpoint has {len(unexpected)} tensor(s) the model does not use: {_listing(unexpected)}")
 
 
-def _init_weights(model: nn.Module, fill_matrix) -> None:
-    """Zero biases, ones for norms (1-D weights), `fill_matrix(param)` for matrices and embeddings."""
+def _init_weights(model: nn.Module, fill_matrix, std: float) -> None:
+    """Zero biases, ones for norms (1-D weights), `fill_matrix(param)` for matrices and embeddings.
+    FP8 weights (block factors `*_scale_inv`) get the same distribution: values drawn in fp32 and
+    divided by `std`, factors of `std`."""
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("bias"):
                 param.zero_()
+            elif name.endswith("_scale_inv"):
+                param.fill_(std)
             elif param.dim() == 1:
                 param.fill_(1.0)
+            elif param.dtype == FP8_DTYPE:
+                drawn = torch.empty(param.shape, device=param.device)
+                fill_matrix(drawn)
+                param.copy_((drawn / std).to(FP8_DTYPE))
             else:
                 fill_matrix(param)
 
@@ -219,7 +227,7 @@ def init_builtin_weights(model: nn.Module, seed: int, std: float) -> None:
     parameter's device, so every machine and every call gets the same values for a seed.
     """
     gen = torch.Generator(device="cpu").manual_seed(seed)
-    _init_weights(model, lambda p: p.copy_(torch.empty(p.shape, device="cpu").normal_(0.0, std, generator=gen)))
+    _init_weights(model, lambda p: p.copy_(torch.empty(p.shape, device="cpu").normal_(0.0, std, generator=gen)), std)
 
 
 def init_dummy_weights(model: nn.Module, seed: int, std: float) -> None:
@@ -234,7 +242,7 @@ def init_dummy_weights(model: nn.Module, seed: int, std: float) -> None:
             generators[param.device] = torch.Generator(device=param.device).manual_seed(seed)
         param.normal_(0.0, std, generator=generators[param.device])
 
-    _init_weights(model, fill)
+    _init_weights(model, fill, std)
 
 
 def check_context_limits(model: nn.Module, model_config: ModelConfig) -> None:

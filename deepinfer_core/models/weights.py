@@ -1,8 +1,8 @@
 """Copying checkpoint tensors into a model by name, for models whose names differ from HF's.
 
 A model maps each checkpoint name to a *canonical* name (`rename`): its own parameter name, or,
-for a routed expert, `<prefix>.experts.<e>.<gate|up|down>_proj.weight`, which `FusedExperts`
-copies into its stacked slice. `rename` returns None for tensors the model knows but does not
+for a routed expert, `<prefix>.experts.<e>.<gate|up|down>_proj.weight` (and, from an FP8
+checkpoint, `.weight_scale_inv`), which `FusedExperts` copies into its stacked slice. `rename` returns None for tensors the model knows but does not
 hold (an MTP layer, an unused vision layer, another rank's half of a checkpoint).
 
 `load_weights_by_name` returns every checkpoint name it consumed plus the canonical names it
@@ -20,7 +20,7 @@ from torch import nn
 
 from deepinfer_core.models.layers.moe import EXPERT_PROJECTIONS, FusedExperts
 
-_EXPERT = re.compile(r"^(?P<prefix>.+\.experts)\.(?P<expert>\d+)\.(?P<proj>\w+)\.weight$")
+_EXPERT = re.compile(r"^(?P<prefix>.+\.experts)\.(?P<expert>\d+)\.(?P<proj>\w+)\.(?P<kind>weight|weight_scale_inv)$")
 _CANONICAL_PROJ = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 
 Rename = Callable[[str], "str | None"]
@@ -55,9 +55,10 @@ def load_weights_by_name(
         match = _EXPERT.match(target)
         module = experts.get(match["prefix"]) if match else None
         if module is not None and match["proj"] in EXPERT_PROJECTIONS and int(match["expert"]) < module.num_experts:
-            module.load_expert(int(match["expert"]), match["proj"], tensor)  # False: another rank's expert
+            scale = match["kind"] == "weight_scale_inv"  # an FP8 expert's block factors
+            module.load_expert(int(match["expert"]), match["proj"], tensor, scale)  # False: another rank's expert
             proj = _CANONICAL_PROJ.get(match["proj"], match["proj"])
-            consumed.update((name, f"{match['prefix']}.{match['expert']}.{proj}.weight"))
+            consumed.update((name, f"{match['prefix']}.{match['expert']}.{proj}.{match['kind']}"))
             continue
         param = params.get(target)
         if param is None:
@@ -70,7 +71,11 @@ def load_weights_by_name(
 def expected_weight_names(model: nn.Module) -> list[str]:
     """Canonical names a complete checkpoint fills: plain parameters and per-expert tensors."""
     experts = _expert_modules(model)
-    stacked = {f"{prefix}.{p}" for prefix in experts for p in ("w13_weight", "w2_weight")}
+    stacked = {
+        f"{prefix}.{p}"
+        for prefix in experts
+        for p in ("w13_weight", "w2_weight", "w13_weight_scale_inv", "w2_weight_scale_inv")
+    }
     names = [n for n, _ in model.named_parameters() if n not in stacked]
     for prefix, module in experts.items():
         names += module.checkpoint_names(prefix)

@@ -20,6 +20,10 @@ test model's bf16 prompt logprobs came out 0.35 nats from HF's on an H200 (0.61 
 interpreter given GPU bf16 arithmetic; 0.02 with these roundings, as the torch path).
 In fp32 every rounding is a no-op.
 
+FP8 expert weights (DeepSeek-V3's block-scaled e4m3, one fp32 factor per [bn, bk] block) are
+read as stored, half the bytes of bf16 (decode is bound by those bytes): each K tile converts
+exactly to the activation dtype, and its dot's partial sum is multiplied by the block's factors.
+
 Blocks past the padded row count exit at once, so the grid depends only on (T, k, E): no host
 sync, CUDA-graph capturable.
 """
@@ -50,6 +54,7 @@ def _gate_up_kernel(
     x_ptr,
     w_ptr,
     w_desc,
+    s_ptr,
     act_ptr,
     sorted_ptr,
     expert_ptr,
@@ -62,7 +67,11 @@ def _gate_up_kernel(
     stride_xt,
     stride_we,
     stride_wn,
+    stride_se,
+    stride_sn,
     stride_an,
+    SCALE_N: tl.constexpr,
+    SCALE_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -102,8 +111,16 @@ def _gate_up_kernel(
         else:
             wg = tl.load(wg_ptrs, mask=kmask[:, None] & nmask[None, :], other=0.0)
             wu = tl.load(wu_ptrs, mask=kmask[:, None] & nmask[None, :], other=0.0)
-        acc_g = dot(x, wg, acc_g, IEEE)
-        acc_u = dot(x, wu, acc_u, IEEE)
+        if SCALE_N:  # FP8 weights: exact in the activation dtype; the block's factor scales the partial dot
+            s_row = s_ptr + expert * stride_se + (k0 // SCALE_K)
+            sg = tl.load(s_row + (offs_n // SCALE_N) * stride_sn, mask=nmask, other=0.0)
+            su = tl.load(s_row + (tl.cdiv(N, SCALE_N) + offs_n // SCALE_N) * stride_sn, mask=nmask, other=0.0)
+            zero = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            acc_g += dot(x, wg.to(x.dtype), zero, IEEE) * sg[None, :]
+            acc_u += dot(x, wu.to(x.dtype), zero, IEEE) * su[None, :]
+        else:
+            acc_g = dot(x, wg, acc_g, IEEE)
+            acc_u = dot(x, wu, acc_u, IEEE)
         x_ptrs += BLOCK_K
         wg_ptrs += BLOCK_K
         wu_ptrs += BLOCK_K
@@ -119,6 +136,7 @@ def _down_kernel(
     a_ptr,
     w_ptr,
     w_desc,
+    s_ptr,
     out_ptr,
     topk_w_ptr,
     sorted_ptr,
@@ -131,7 +149,11 @@ def _down_kernel(
     stride_am,
     stride_we,
     stride_wn,
+    stride_se,
+    stride_sn,
     stride_om,
+    SCALE_N: tl.constexpr,
+    SCALE_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -166,7 +188,12 @@ def _down_kernel(
             w = tl.load(w_ptrs, mask=nmask[None, :], other=0.0)
         else:
             w = tl.load(w_ptrs, mask=kmask[:, None] & nmask[None, :], other=0.0)
-        acc = dot(a, w, acc, IEEE)
+        if SCALE_N:
+            sw = tl.load(s_ptr + expert * stride_se + (k0 // SCALE_K) + (offs_n // SCALE_N) * stride_sn, mask=nmask,
+                         other=0.0)  # fmt: skip
+            acc += dot(a, w.to(a.dtype), tl.zeros([BLOCK_M, BLOCK_N], tl.float32), IEEE) * sw[None, :]
+        else:
+            acc = dot(a, w, acc, IEEE)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     # the expert's output rounded to the activation dtype (HF's down_proj), then times the fp32 weight
@@ -256,8 +283,9 @@ PREFILL_CANDIDATES = [  # (gate/up, down) pairs
 
 def _weight_desc(w: torch.Tensor, cfg: dict):
     """A TMA descriptor over the expert weights viewed as [E * rows, K], for configs that ask for
-    one (`TMA`) on a GPU with TMA (sm_90+) or in the interpreter; None: pointer loads."""
-    if not cfg.get("TMA") or not w.is_contiguous() or (w.shape[-1] * w.element_size()) % 16:
+    one (`TMA`) on a GPU with TMA (sm_90+) or in the interpreter; None: pointer loads (and for FP8
+    weights, whose tiles are converted before the dot)."""
+    if not cfg.get("TMA") or not w.is_contiguous() or (w.shape[-1] * w.element_size()) % 16 or w.element_size() == 1:
         return None
     if w.is_cuda and torch.cuda.get_device_capability(w.device)[0] < 9:
         return None
@@ -284,7 +312,14 @@ def fused_experts(
     topk_ids: torch.Tensor,  # [T, k] int
     *,
     configs: tuple[dict, dict] | None = None,
+    w13_scale: torch.Tensor | None = None,  # FP8 weights: [E, 2 * ceil(I / bn), ceil(H / bk)] (gate, then up)
+    w2_scale: torch.Tensor | None = None,  # [E, ceil(H / bn), ceil(I / bk)]
+    fp8_block: tuple[int, int] = (128, 128),  # (bn, bk)
 ) -> torch.Tensor:  # [T, H]
+    """The routed experts' SwiGLU over each token's k choices, weighted and summed. FP8 expert
+    weights (`w13_scale`, `w2_scale` given) are read as they are stored, half the bytes of bf16:
+    each K tile's dot runs on the weights converted exactly to the activation dtype and is scaled
+    by its block's factor, so a K tile must not straddle a scale block."""
     T, H = hidden.shape
     E, two_i, _ = w13.shape
     inter = two_i // 2
@@ -296,22 +331,35 @@ def fused_experts(
     up_cfg, down_cfg = configs or default_configs(rows, E, hidden.dtype)
     if up_cfg["BLOCK_M"] != down_cfg["BLOCK_M"]:
         raise ValueError("both GEMMs walk the same expert blocks: BLOCK_M must match")
+    fp8 = w13_scale is not None
+    bn, bk = fp8_block if fp8 else (0, 0)
+    if fp8:
+        if w2_scale is None:
+            raise ValueError("FP8 experts need both w13_scale and w2_scale")
+        # a K tile inside one scale block (block sizes are powers of two)
+        up_cfg, down_cfg = ({**c, "BLOCK_K": min(c["BLOCK_K"], bk)} for c in (up_cfg, down_cfg))
+        if bk % up_cfg["BLOCK_K"] or bk % down_cfg["BLOCK_K"]:
+            raise ValueError(
+                f"FP8 block {fp8_block}: K tiles of {up_cfg['BLOCK_K']} / {down_cfg['BLOCK_K']} straddle it"
+            )
+    s13 = w13_scale if fp8 else w13  # a pointer the kernels never read without FP8
+    s2 = w2_scale if fp8 else w2
     sorted_ids, expert_ids, npad = moe_align(topk_ids, E, up_cfg["BLOCK_M"])
     num_m = expert_ids.numel()
     act = torch.empty((rows, inter), dtype=hidden.dtype, device=hidden.device)
     up_desc, down_desc = _weight_desc(w13, up_cfg), _weight_desc(w2, down_cfg)
     _launch(
         _gate_up_kernel, up_cfg, num_m, inter,
-        hidden, w13, up_desc, act, sorted_ids, expert_ids, npad, rows, num_m, H, inter, k,
-        hidden.stride(0), w13.stride(0), w13.stride(1), act.stride(0), EVEN_K=H % up_cfg["BLOCK_K"] == 0, IEEE=ieee(hidden),
-        USE_TMA=up_desc is not None,
+        hidden, w13, up_desc, s13, act, sorted_ids, expert_ids, npad, rows, num_m, H, inter, k,
+        hidden.stride(0), w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1), act.stride(0), SCALE_N=bn,
+        SCALE_K=bk, EVEN_K=H % up_cfg["BLOCK_K"] == 0, IEEE=ieee(hidden), USE_TMA=up_desc is not None,
     )  # fmt: skip
     out = torch.empty((rows, H), dtype=hidden.dtype, device=hidden.device)
     weights = topk_weights.reshape(-1).to(torch.float32)
     _launch(
         _down_kernel, down_cfg, num_m, H,
-        act, w2, down_desc, out, weights, sorted_ids, expert_ids, npad, rows, num_m, inter, H,
-        act.stride(0), w2.stride(0), w2.stride(1), out.stride(0), EVEN_K=inter % down_cfg["BLOCK_K"] == 0, IEEE=ieee(hidden),
-        USE_TMA=down_desc is not None,
+        act, w2, down_desc, s2, out, weights, sorted_ids, expert_ids, npad, rows, num_m, inter, H,
+        act.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), out.stride(0), SCALE_N=bn, SCALE_K=bk,
+        EVEN_K=inter % down_cfg["BLOCK_K"] == 0, IEEE=ieee(hidden), USE_TMA=down_desc is not None,
     )  # fmt: skip
     return sum_choices(out, k)

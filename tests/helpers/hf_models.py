@@ -10,15 +10,19 @@ generator instead, so each one matters for the logits.
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
 import transformers
+from safetensors.torch import load_file, save_file
 
 from deepinfer_core.config import ModelConfig
 from deepinfer_core.models.hf_config import load_hf_config
+from kernels.fp8 import dequantize_block_fp8, quantize_block_fp8
 
 # family -> (config class, model class) names in transformers
 FAMILIES = {
@@ -188,3 +192,33 @@ def hf_logits(model: transformers.PreTrainedModel, token_ids: Sequence[int]) -> 
     with torch.inference_mode():
         out = model(torch.tensor([list(token_ids)]), use_cache=False)
     return out.logits[0].float()
+
+
+def quantize_checkpoint_fp8(path: str | os.PathLike, reference: str | os.PathLike, block: tuple[int, int]) -> None:
+    """Turn the checkpoint in `path` into a block-FP8 one, as DeepSeek-V3's release is made: every
+    projection in the layers (not the router, embeddings or head) becomes e4m3 values plus
+    `weight_scale_inv` factors, and `quantization_config` says so. `reference` receives the
+    dequantized weights under the original config: the unquantized model the FP8 one means."""
+    path, reference = Path(path), Path(reference)
+    tensors = load_file(path / "model.safetensors")
+    fp8, dequantized = {}, {}
+    for name, tensor in tensors.items():
+        if (
+            name.startswith("model.layers.")
+            and name.endswith(".weight")
+            and tensor.dim() == 2
+            and not name.endswith("mlp.gate.weight")
+        ):
+            q, scale = quantize_block_fp8(tensor, block)
+            fp8[name], fp8[name + "_scale_inv"] = q, scale
+            dequantized[name] = dequantize_block_fp8(q, scale, block)
+        else:
+            fp8[name] = dequantized[name] = tensor
+    (reference / "config.json").write_bytes((path / "config.json").read_bytes())
+    save_file(dequantized, reference / "model.safetensors", metadata={"format": "pt"})
+    save_file(fp8, path / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"] = {
+        "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": list(block),
+    }  # fmt: skip
+    (path / "config.json").write_text(json.dumps(config))

@@ -18,7 +18,12 @@ from deepinfer_core.builtin import TINY_MODEL_DIR  # noqa: E402
 from deepinfer_core.models.loader import load_model  # noqa: E402
 from kernels import registry  # noqa: E402
 from kernels.bench_checks import run_checks  # noqa: E402
-from tests.helpers.hf_models import hf_logits, model_config_for, save_hf_checkpoint  # noqa: E402
+from tests.helpers.hf_models import (  # noqa: E402
+    hf_logits,
+    model_config_for,
+    quantize_checkpoint_fp8,
+    save_hf_checkpoint,
+)
 from tests.helpers.paged import PagedRunner  # noqa: E402
 
 ATOL = 1e-4  # fp32 logits; the kernels' fp32 dots run in full fp32
@@ -93,6 +98,28 @@ def test_deepseek_decode_through_the_sm90_mla_kernel_matches_the_torch_path(tmp_
             runner = PagedRunner(model, block_size=16, num_blocks=64)
             runner.step(list(prompts.items()))
             steps = [runner.step([(s, [int(t)]) for s, t in zip(prompts, (7, 8, 9), strict=True)]) for _ in range(3)]
+            logits[backend] = torch.stack([torch.cat(step) for step in steps]).float()
+        finally:
+            registry.set_backend("auto")
+    err = (logits["triton"] - logits["torch"]).norm() / logits["torch"].norm()
+    assert err < 2e-2, err
+
+
+def test_fp8_deepseek_through_the_kernels_matches_the_torch_path(tmp_path) -> None:
+    """A block-FP8 DeepSeek-V3 checkpoint in bf16 on CUDA: decode logits with the Triton kernels
+    (the fused MoE reading the FP8 experts as stored) against the pure-torch ops (dequantized experts)."""
+    save_hf_checkpoint("deepseek_v3", tmp_path / "fp8", seed=5, moe_intermediate_size=256, hidden_size=256)
+    (tmp_path / "ref").mkdir()
+    quantize_checkpoint_fp8(tmp_path / "fp8", tmp_path / "ref", (128, 128))
+    model = load_model(model_config_for(tmp_path / "fp8", dtype=torch.bfloat16), "cuda")
+    prompts = {"a": _prompt(40, 6), "b": _prompt(9, 7)}
+    logits = {}
+    for backend in ("triton", "torch"):
+        registry.set_backend(backend)
+        try:
+            runner = PagedRunner(model, block_size=16, num_blocks=32)
+            runner.step(list(prompts.items()))
+            steps = [runner.step([(s, [int(t)]) for s, t in zip(prompts, (3, 4), strict=True)]) for _ in range(3)]
             logits[backend] = torch.stack([torch.cat(step) for step in steps]).float()
         finally:
             registry.set_backend("auto")

@@ -69,9 +69,18 @@ def test_unknown_rope_scaling_is_named(ckpt: Path, rope: dict) -> None:
         load_model(model_config_for(ckpt), "cpu")
 
 
-def test_quantized_checkpoint_is_refused(ckpt: Path) -> None:
-    _edit_config(ckpt, quantization_config={"quant_method": "fp8", "weight_block_size": [128, 128]})
-    with pytest.raises(ValueError, match="quant_method='fp8'"):
+@pytest.mark.parametrize(
+    "quant, message",
+    [
+        ({"quant_method": "gptq", "bits": 4}, "quant_method='gptq'"),
+        ({"quant_method": "fp8"}, "weight_block_size"),  # per-tensor FP8: no block factors
+        ({"quant_method": "fp8", "weight_block_size": [128, 128], "activation_scheme": "static"}, "static"),
+        ({"quant_method": "fp8", "weight_block_size": [128, 96]}, "powers of two"),
+    ],
+)
+def test_quantizations_that_do_not_load_are_refused(ckpt: Path, quant: dict, message: str) -> None:
+    _edit_config(ckpt, quantization_config=quant)
+    with pytest.raises(ValueError, match=message):
         load_model(model_config_for(ckpt), "cpu")
 
 

@@ -11,7 +11,8 @@ One MoE step, written so that expert parallelism only has to add the all-to-all:
     unpermute  weighted sum of each token's k expert outputs                    (`unpermute`)
 
 `FusedExperts` holds the local experts' weights stacked as `w13_weight [E_local, 2I, H]`
-(gate rows then up rows) and `w2_weight [E_local, H, I]`, the layout a grouped GEMM takes;
+(gate rows then up rows) and `w2_weight [E_local, H, I]`, the layout a grouped GEMM takes
+(from an FP8 checkpoint: e4m3 values plus `*_weight_scale_inv` block factors, see `kernels.fp8`);
 checkpoint tensors `experts.{e}.{gate,up,down}_proj.weight` (Mixtral: w1, w3, w2) are copied
 into their slices by `load_expert`. With every expert local (no EP) `local_experts` is all of
 them. This is the torch reference; on CUDA, with every expert local, `kernels.ops.fused_experts`
@@ -28,6 +29,7 @@ from torch import nn
 
 from deepinfer_core.models.layers.mlp import SwiGLUMLP
 from kernels import ops
+from kernels.fp8 import FP8_DTYPE, dequantize_block_fp8
 from kernels.registry import use_triton
 
 SCORING_FUNCS = ("softmax", "sigmoid")
@@ -173,8 +175,18 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: list[int]) -> 
     return out
 
 
+def _blocks(n: int, block: int) -> int:
+    return -(-n // block)
+
+
 class FusedExperts(nn.Module):
-    """The local routed experts' SwiGLU weights, stacked per expert."""
+    """The local routed experts' SwiGLU weights, stacked per expert.
+
+    `fp8_block=(bn, bk)`: the weights stay as an FP8 checkpoint stores them (e4m3 plus one fp32
+    factor per [bn, bk] block: `w13_weight_scale_inv [E, 2 * ceil(I / bn), ceil(H / bk)]`, gate's
+    factors then up's, and `w2_weight_scale_inv [E, ceil(H / bn), ceil(I / bk)]`): half the memory
+    and half the bytes a decode step reads. The fused kernel reads them as stored; the torch path
+    dequantizes them per call."""
 
     def __init__(
         self,
@@ -184,6 +196,7 @@ class FusedExperts(nn.Module):
         dtype: torch.dtype,
         local_experts: range | None = None,
         hidden_act: str = "silu",
+        fp8_block: tuple[int, int] | None = None,
     ):
         super().__init__()
         if hidden_act != "silu":
@@ -191,33 +204,68 @@ class FusedExperts(nn.Module):
         self.num_experts = num_experts
         self.local_experts = local_experts if local_experts is not None else range(num_experts)
         self.intermediate_size = intermediate_size
+        self.fp8_block = tuple(fp8_block) if fp8_block else None
         n = len(self.local_experts)
-        self.w13_weight = nn.Parameter(torch.empty(n, 2 * intermediate_size, hidden_size, dtype=dtype))
-        self.w2_weight = nn.Parameter(torch.empty(n, hidden_size, intermediate_size, dtype=dtype))
+        wdtype = FP8_DTYPE if self.fp8_block else dtype
+        frozen = {"requires_grad": False} if self.fp8_block else {}
+        self.w13_weight = nn.Parameter(torch.empty(n, 2 * intermediate_size, hidden_size, dtype=wdtype), **frozen)
+        self.w2_weight = nn.Parameter(torch.empty(n, hidden_size, intermediate_size, dtype=wdtype), **frozen)
+        if self.fp8_block:
+            bn, bk = self.fp8_block
+            i_n, h_n, i_k, h_k = (_blocks(intermediate_size, bn), _blocks(hidden_size, bn),
+                                  _blocks(intermediate_size, bk), _blocks(hidden_size, bk))  # fmt: skip
+            self.w13_weight_scale_inv = nn.Parameter(torch.empty(n, 2 * i_n, h_k), requires_grad=False)
+            self.w2_weight_scale_inv = nn.Parameter(torch.empty(n, h_n, i_k), requires_grad=False)
+
+    def fp8_kwargs(self) -> dict:
+        """What `kernels.ops.fused_experts` needs besides the weights: the FP8 factors, or nothing."""
+        if not self.fp8_block:
+            return {}
+        return dict(w13_scale=self.w13_weight_scale_inv, w2_scale=self.w2_weight_scale_inv, fp8_block=self.fp8_block)
+
+    def _weights(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.fp8_block:
+            return self.w13_weight, self.w2_weight
+        half = self.w13_weight_scale_inv.shape[1] // 2
+        inter = self.intermediate_size
+        w13 = torch.cat([dequantize_block_fp8(self.w13_weight[:, :inter], self.w13_weight_scale_inv[:, :half],
+                                              self.fp8_block, dtype),
+                         dequantize_block_fp8(self.w13_weight[:, inter:], self.w13_weight_scale_inv[:, half:],
+                                              self.fp8_block, dtype)], dim=1)  # fmt: skip
+        return w13, dequantize_block_fp8(self.w2_weight, self.w2_weight_scale_inv, self.fp8_block, dtype)
 
     def forward(self, perm: PermutedTokens) -> torch.Tensor:  # [N, H] -> [N, H]
-        gate, up = grouped_linear(perm.hidden, self.w13_weight, perm.counts).chunk(2, dim=-1)  # [N, I] each
-        return grouped_linear(F.silu(gate) * up, self.w2_weight, perm.counts)
+        w13, w2 = self._weights(perm.hidden.dtype)
+        gate, up = grouped_linear(perm.hidden, w13, perm.counts).chunk(2, dim=-1)  # [N, I] each
+        return grouped_linear(F.silu(gate) * up, w2, perm.counts)
 
-    def load_expert(self, expert: int, projection: str, tensor: torch.Tensor) -> bool:
-        """Copy one checkpoint expert tensor into its slice; False when the expert is not local."""
+    def load_expert(self, expert: int, projection: str, tensor: torch.Tensor, scale: bool = False) -> bool:
+        """Copy one checkpoint expert tensor (`scale`: its FP8 `weight_scale_inv`) into its slice;
+        False when the expert is not local."""
         if expert not in self.local_experts:
             return False
+        if scale and not self.fp8_block:
+            raise ValueError(f"expert {expert} {projection} has FP8 factors, but these experts are not FP8")
         param_name, shard = EXPERT_PROJECTIONS[projection]
-        target = getattr(self, param_name)[expert - self.local_experts.start]
+        target = getattr(self, param_name + ("_scale_inv" if scale else ""))[expert - self.local_experts.start]
         if shard is not None:
-            target = target[shard * self.intermediate_size : (shard + 1) * self.intermediate_size]
+            rows = target.shape[0] // 2 if scale else self.intermediate_size
+            target = target[shard * rows : (shard + 1) * rows]
         if target.shape != tensor.shape:
+            what = f"{projection} weight_scale_inv" if scale else projection
             raise ValueError(
-                f"expert {expert} {projection} has shape {tuple(tensor.shape)}, the model expects {tuple(target.shape)}"
+                f"expert {expert} {what} has shape {tuple(tensor.shape)}, the model expects {tuple(target.shape)}"
             )
         with torch.no_grad():
             target.copy_(tensor)
         return True
 
     def checkpoint_names(self, prefix: str) -> list[str]:
-        """Checkpoint names of the local experts' tensors, spelled `{prefix}.{e}.{gate,up,down}_proj.weight`."""
-        return [f"{prefix}.{e}.{p}.weight" for e in self.local_experts for p in ("gate_proj", "up_proj", "down_proj")]
+        """Checkpoint names of the local experts' tensors, spelled `{prefix}.{e}.{gate,up,down}_proj.weight`
+        (and `.weight_scale_inv` for FP8 experts)."""
+        kinds = ("weight", "weight_scale_inv") if self.fp8_block else ("weight",)
+        return [f"{prefix}.{e}.{p}.{kind}" for e in self.local_experts for p in ("gate_proj", "up_proj", "down_proj")
+                for kind in kinds]  # fmt: skip
 
 
 class SparseMoeBlock(nn.Module):
@@ -232,6 +280,7 @@ class SparseMoeBlock(nn.Module):
         dtype: torch.dtype,
         shared_intermediate_size: int = 0,
         local_experts: range | None = None,
+        fp8_block: tuple[int, int] | None = None,
     ):
         super().__init__()
         self.routing = routing
@@ -240,7 +289,9 @@ class SparseMoeBlock(nn.Module):
         )
         if routing.topk_method == "noaux_tc":
             self.gate.e_score_correction_bias = nn.Parameter(torch.zeros(routing.num_experts, dtype=torch.float32))
-        self.experts = FusedExperts(routing.num_experts, hidden_size, moe_intermediate_size, dtype, local_experts)
+        self.experts = FusedExperts(
+            routing.num_experts, hidden_size, moe_intermediate_size, dtype, local_experts, fp8_block=fp8_block
+        )
         self.shared_experts = (
             SwiGLUMLP(hidden_size, shared_intermediate_size, dtype=dtype) if shared_intermediate_size else None
         )
@@ -257,7 +308,9 @@ class SparseMoeBlock(nn.Module):
             weights = weights.to(x.dtype)
         experts = self.experts
         if use_triton(x) and len(experts.local_experts) == experts.num_experts:  # CUDA: the fused kernel
-            out = ops.fused_experts(x, experts.w13_weight, experts.w2_weight, weights, ids.to(torch.int32)).to(x.dtype)
+            out = ops.fused_experts(
+                x, experts.w13_weight, experts.w2_weight, weights, ids.to(torch.int32), **experts.fp8_kwargs()
+            ).to(x.dtype)
         else:
             perm = permute(x, weights, ids, experts.local_experts)
             out = unpermute(experts(perm), perm, x.shape[0])  # [T, H]

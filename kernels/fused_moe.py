@@ -107,8 +107,8 @@ def fused_experts_ref(
 
     Roundings are the Triton kernel's (and HF's eager experts'): the GEMMs' outputs and silu in
     the activation dtype, each expert's output times its fp32 weight rounded to the activation
-    dtype, the k rows summed in fp32. FP8 weights are dequantized per expert to fp32 and each GEMM
-    runs in fp32 before the same rounding (the kernel's scaled partial dots, up to summation order)."""
+    dtype, the k rows summed in fp32. FP8 weights are dequantized per expert to the activation
+    dtype (value x block factor, rounded once), as the kernel dequantizes its tiles."""
     T, k = topk_ids.shape
     inter = w13.shape[1] // 2
     flat = topk_ids.reshape(-1).long()
@@ -123,16 +123,13 @@ def fused_experts_ref(
         if n == 0:
             continue
         rows = slice(start, start + n)
-        if w13_scale is None:
-            gate_up = x[rows] @ w13[e].t()  # [n, 2I]
-        else:
-            gate_up = (x[rows].float() @ _dequantized_w13(w13[e], w13_scale[e], fp8_block).t()).to(hidden.dtype)
+        w13e, w2e = w13[e], w2[e]
+        if w13_scale is not None:
+            w13e = _dequantized_w13(w13e, w13_scale[e], fp8_block).to(hidden.dtype)
+            w2e = dequantize_block_fp8(w2e, w2_scale[e], fp8_block, hidden.dtype)
+        gate_up = x[rows] @ w13e.t()  # [n, 2I]
         h = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
-        if w2_scale is None:
-            y = (h @ w2[e].t()).float()
-        else:
-            y = (h.float() @ dequantize_block_fp8(w2[e], w2_scale[e], fp8_block).t()).to(hidden.dtype).float()
-        y = y * topk_weights.reshape(-1)[order[rows]].float()[:, None]
+        y = (h @ w2e.t()).float() * topk_weights.reshape(-1)[order[rows]].float()[:, None]
         out.index_add_(0, tokens[rows], y.to(hidden.dtype).float())
         start += n
     return out.to(hidden.dtype)

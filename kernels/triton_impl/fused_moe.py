@@ -25,9 +25,7 @@ read as stored, half the bytes of bf16 (decode is bound by those bytes): each we
 dequantized in registers (value x its block's factor, rounded once to the activation dtype, as
 dequantizing the checkpoint would) and the dots accumulate as for bf16 weights. Scaling each K
 tile's partial dot instead kept the weights exact but broke the accumulator chain of the tensor-core
-pipeline: prefill ran 4x slower than with bf16 weights. Prefill tiles (`W_LHS`) compute out^T =
-W x^T, so the dequantized tile is the register-side operand of Hopper's wgmma rather than being
-stored back to shared memory for every K step.
+pipeline: prefill ran 4x slower than with bf16 weights.
 
 Blocks past the padded row count exit at once, so the grid depends only on (T, k, E): no host
 sync, CUDA-graph capturable.
@@ -84,7 +82,6 @@ def _gate_up_kernel(
     EVEN_K: tl.constexpr,
     IEEE: tl.constexpr,
     USE_TMA: tl.constexpr,
-    W_LHS: tl.constexpr = False,
 ):
     pid_m, pid_n = _tile_ids(tl.program_id(0), num_m, tl.cdiv(N, BLOCK_N), GROUP_M)
     if pid_m * BLOCK_M >= tl.load(npad_ptr):
@@ -100,12 +97,8 @@ def _gate_up_kernel(
     x_ptrs = x_ptr + tokens[:, None] * stride_xt + offs_k[None, :]
     wg_ptrs = w_ptr + expert * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
     wu_ptrs = wg_ptrs + N * stride_wn
-    if W_LHS:  # out^T = W x^T: dequantized weight tiles feed the tensor cores from registers
-        acc_g = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-        acc_u = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-    else:
-        acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, K, BLOCK_K):
         if EVEN_K:
             x = tl.load(x_ptrs, mask=rmask[:, None], other=0.0)
@@ -127,17 +120,11 @@ def _gate_up_kernel(
             su = tl.load(s_row + (tl.cdiv(N, SCALE_N) + offs_n // SCALE_N) * stride_sn, mask=nmask, other=0.0)
             wg = (wg.to(tl.float32) * sg[None, :]).to(x.dtype)
             wu = (wu.to(tl.float32) * su[None, :]).to(x.dtype)
-        if W_LHS:
-            acc_g = dot(tl.trans(wg), tl.trans(x), acc_g, IEEE)
-            acc_u = dot(tl.trans(wu), tl.trans(x), acc_u, IEEE)
-        else:
-            acc_g = dot(x, wg, acc_g, IEEE)
-            acc_u = dot(x, wu, acc_u, IEEE)
+        acc_g = dot(x, wg, acc_g, IEEE)
+        acc_u = dot(x, wu, acc_u, IEEE)
         x_ptrs += BLOCK_K
         wg_ptrs += BLOCK_K
         wu_ptrs += BLOCK_K
-    if W_LHS:
-        acc_g, acc_u = tl.trans(acc_g), tl.trans(acc_u)
     dt = act_ptr.dtype.element_ty  # HF's roundings: gate, up, silu(gate) (x / (1 + e^-x), as torch), product
     gate = acc_g.to(dt).to(tl.float32)
     h = (gate / (1.0 + tl.exp(-gate))).to(dt).to(tl.float32) * acc_u.to(dt).to(tl.float32)  # silu(gate) * up
@@ -175,7 +162,6 @@ def _down_kernel(
     EVEN_K: tl.constexpr,
     IEEE: tl.constexpr,
     USE_TMA: tl.constexpr,
-    W_LHS: tl.constexpr = False,
 ):
     pid_m, pid_n = _tile_ids(tl.program_id(0), num_m, tl.cdiv(N, BLOCK_N), GROUP_M)
     if pid_m * BLOCK_M >= tl.load(npad_ptr):
@@ -190,7 +176,7 @@ def _down_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + rows64[:, None] * stride_am + offs_k[None, :]
     w_ptrs = w_ptr + expert * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
-    acc = tl.zeros([BLOCK_N, BLOCK_M] if W_LHS else [BLOCK_M, BLOCK_N], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, K, BLOCK_K):
         if EVEN_K:
             a = tl.load(a_ptrs, mask=rmask[:, None], other=0.0)
@@ -207,14 +193,9 @@ def _down_kernel(
             sw = tl.load(s_ptr + expert * stride_se + (k0 // SCALE_K) + (offs_n // SCALE_N) * stride_sn, mask=nmask,
                          other=0.0)  # fmt: skip
             w = (w.to(tl.float32) * sw[None, :]).to(a.dtype)
-        if W_LHS:
-            acc = dot(tl.trans(w), tl.trans(a), acc, IEEE)
-        else:
-            acc = dot(a, w, acc, IEEE)
+        acc = dot(a, w, acc, IEEE)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
-    if W_LHS:
-        acc = tl.trans(acc)
     # the expert's output rounded to the activation dtype (HF's down_proj), then times the fp32 weight
     weight = tl.load(topk_w_ptr + rows64, mask=rmask, other=0.0)
     acc = acc.to(out_ptr.dtype.element_ty).to(tl.float32) * weight[:, None]
@@ -354,12 +335,8 @@ def fused_experts(
     if fp8:
         if w2_scale is None:
             raise ValueError("FP8 experts need both w13_scale and w2_scale")
-        # a K tile inside one scale block (block sizes are powers of two); prefill-sized tiles take the
-        # dequantized weights as the register-side operand (out^T = W x^T) unless a config says otherwise
-        up_cfg, down_cfg = (
-            {**c, "BLOCK_K": min(c["BLOCK_K"], bk), "W_LHS": c.get("W_LHS", c["BLOCK_M"] >= 64)}
-            for c in (up_cfg, down_cfg)
-        )
+        # a K tile inside one scale block (block sizes are powers of two)
+        up_cfg, down_cfg = ({**c, "BLOCK_K": min(c["BLOCK_K"], bk)} for c in (up_cfg, down_cfg))
         if bk % up_cfg["BLOCK_K"] or bk % down_cfg["BLOCK_K"]:
             raise ValueError(
                 f"FP8 block {fp8_block}: K tiles of {up_cfg['BLOCK_K']} / {down_cfg['BLOCK_K']} straddle it"
@@ -375,7 +352,6 @@ def fused_experts(
         hidden, w13, up_desc, s13, act, sorted_ids, expert_ids, npad, rows, num_m, H, inter, k,
         hidden.stride(0), w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1), act.stride(0), SCALE_N=bn,
         SCALE_K=bk, EVEN_K=H % up_cfg["BLOCK_K"] == 0, IEEE=ieee(hidden), USE_TMA=up_desc is not None,
-        W_LHS=up_cfg.get("W_LHS", False),
     )  # fmt: skip
     out = torch.empty((rows, H), dtype=hidden.dtype, device=hidden.device)
     weights = topk_weights.reshape(-1).to(torch.float32)
@@ -384,6 +360,5 @@ def fused_experts(
         act, w2, down_desc, s2, out, weights, sorted_ids, expert_ids, npad, rows, num_m, inter, H,
         act.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), out.stride(0), SCALE_N=bn, SCALE_K=bk,
         EVEN_K=inter % down_cfg["BLOCK_K"] == 0, IEEE=ieee(hidden), USE_TMA=down_desc is not None,
-        W_LHS=down_cfg.get("W_LHS", False),
     )  # fmt: skip
     return sum_choices(out, k)

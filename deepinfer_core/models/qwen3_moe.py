@@ -4,7 +4,8 @@ Attention is `LlamaAttention` (Qwen3-MoE adds per-head q/k RMSNorm, as Qwen3 doe
 feed-forward of each sparse layer is a `SparseMoeBlock` without shared experts. Qwen3-MoE keeps
 dense MLP layers where `mlp_only_layers` or `decoder_sparse_step` say so and renormalises the
 top-k weights when `norm_topk_prob` is set; Mixtral always renormalises and names its blocks
-`block_sparse_moe` with experts `w1` (gate), `w3` (up), `w2` (down) — renamed on load.
+`block_sparse_moe` with experts `w1` (gate), `w3` (up), `w2` (down) — renamed on load. From a
+block-FP8 checkpoint (Qwen3-30B-A3B-FP8) the routed experts stay FP8, as DeepSeek's do.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from torch import nn
 from deepinfer_core.models.hf_config import normalize_hf_config
 from deepinfer_core.models.layers.moe import RoutingConfig, SparseMoeBlock
 from deepinfer_core.models.llama import LlamaForCausalLM
+from deepinfer_core.models.quantization import fp8_block_size
 from deepinfer_core.models.weights import expected_weight_names, load_weights_by_name
 
 
@@ -56,10 +58,17 @@ class Qwen3MoeForCausalLM(LlamaForCausalLM):
         hidden = hf_config["hidden_size"]
         width = hf_config.get("moe_intermediate_size") or hf_config["intermediate_size"]  # Mixtral: the latter
 
+        fp8_block = fp8_block_size(hf_config)  # an FP8 checkpoint's routed experts stay FP8
+
         def make_mlp(i: int) -> nn.Module | None:
-            return SparseMoeBlock(routing, hidden, width, dtype) if i in sparse else None
+            return SparseMoeBlock(routing, hidden, width, dtype, fp8_block=fp8_block) if i in sparse else None
 
         super().__init__(hf_config, dtype, make_mlp)
+        self.fp8_block = fp8_block
+
+    def keeps_fp8(self, name: str) -> bool:
+        """From an FP8 checkpoint, the routed experts' weights stay FP8 (the rest is dequantized)."""
+        return self.fp8_block is not None and (".mlp.experts." in name or ".block_sparse_moe.experts." in name)
 
     def _rename(self, name: str) -> str | None:
         if name == "lm_head.weight" and self.args.tie_word_embeddings:

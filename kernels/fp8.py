@@ -49,26 +49,3 @@ def quantize_block_fp8(weight: torch.Tensor, block: tuple[int, int]) -> tuple[to
     scale_inv = amax / FP8_MAX
     q = (w / _expand(scale_inv, w.shape, block)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return q[..., :out, :inp].contiguous(), scale_inv
-
-
-def quantize_rows_fp8(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dynamic per-row quantization of activations `[M, K]`, one factor per `group` columns, as
-    DeepSeek's `activation_scheme: "dynamic"` asks: (fp8 `[M, K]`, fp32 factors `[M, ceil(K / group)]`).
-    A row group of zeros gets a tiny factor and quantizes to zeros."""
-    m, k = x.shape
-    padded = torch.nn.functional.pad(x.float(), (0, -k % group)).view(m, -1, group)
-    scale = padded.abs().amax(dim=-1).clamp_min(1e-12) / FP8_MAX  # [M, K / group]
-    q = (padded / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
-    return q.view(m, -1)[:, :k].contiguous(), scale
-
-
-def dequantize_rows_fp8(q: torch.Tensor, scale: torch.Tensor, group: int) -> torch.Tensor:
-    """fp32 `[M, K]` of `quantize_rows_fp8`'s output."""
-    return q.float() * scale.repeat_interleave(group, dim=-1)[:, : q.shape[1]]
-
-
-def quantizes_activations(rows: int, num_experts: int) -> bool:
-    """Whether FP8 experts quantize their activations too (W8A8) for a batch of `rows` = tokens x k:
-    prefill-sized batches, where the FP8 tensor cores' rate matters; decode-sized ones are bound by
-    weight bytes, and dequantized weights against bf16 activations (W8A16) are the more exact there."""
-    return rows > 16 * num_experts

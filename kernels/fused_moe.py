@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.fp8 import dequantize_block_fp8, dequantize_rows_fp8, quantize_rows_fp8, quantizes_activations
+from kernels.fp8 import dequantize_block_fp8
 
 
 def moe_topk_ref(
@@ -102,16 +102,13 @@ def fused_experts_ref(
     w13_scale: torch.Tensor | None = None,  # FP8 weights: block factors (kernels.fp8)
     w2_scale: torch.Tensor | None = None,
     fp8_block: tuple[int, int] = (128, 128),
-    fp8_activations: bool | None = None,
 ) -> torch.Tensor:  # [T, H]
     """Rows sorted by expert, one GEMM pair per expert (one host sync for the counts).
 
     Roundings are the Triton kernel's (and HF's eager experts'): the GEMMs' outputs and silu in
     the activation dtype, each expert's output times its fp32 weight rounded to the activation
     dtype, the k rows summed in fp32. FP8 weights are dequantized per expert to the activation
-    dtype (value x block factor, rounded once), as the kernel dequantizes its tiles; where the
-    activations are quantized too (W8A8: `fp8_activations`, by default for prefill-sized batches),
-    both operands are dequantized exactly to fp32 and each GEMM runs in fp32."""
+    dtype (value x block factor, rounded once), as the kernel dequantizes its tiles."""
     T, k = topk_ids.shape
     inter = w13.shape[1] // 2
     flat = topk_ids.reshape(-1).long()
@@ -119,13 +116,7 @@ def fused_experts_ref(
     counts = torch.zeros(w13.shape[0], dtype=torch.long, device=hidden.device)
     counts.scatter_add_(0, flat, torch.ones_like(flat))
     tokens = order // k
-    bk = fp8_block[1]
-    a8 = w13_scale is not None and (
-        quantizes_activations(T * k, w13.shape[0]) if fp8_activations is None else fp8_activations
-    )
     x = hidden[tokens]  # [T*k, H] in expert order
-    if a8:
-        x = dequantize_rows_fp8(*quantize_rows_fp8(hidden, bk), bk)[tokens]
     out = torch.zeros(T, hidden.shape[1], dtype=torch.float32, device=hidden.device)
     start = 0
     for e, n in enumerate(counts.tolist()):
@@ -133,15 +124,12 @@ def fused_experts_ref(
             continue
         rows = slice(start, start + n)
         w13e, w2e = w13[e], w2[e]
-        if w13_scale is not None:  # exact in fp32 for W8A8, rounded to the activation dtype for W8A16
-            wdtype = torch.float32 if a8 else hidden.dtype
-            w13e = _dequantized_w13(w13e, w13_scale[e], fp8_block).to(wdtype)
-            w2e = dequantize_block_fp8(w2e, w2_scale[e], fp8_block, wdtype)
-        gate_up = (x[rows] @ w13e.t()).to(hidden.dtype)  # [n, 2I]
+        if w13_scale is not None:
+            w13e = _dequantized_w13(w13e, w13_scale[e], fp8_block).to(hidden.dtype)
+            w2e = dequantize_block_fp8(w2e, w2_scale[e], fp8_block, hidden.dtype)
+        gate_up = x[rows] @ w13e.t()  # [n, 2I]
         h = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
-        if a8:
-            h = dequantize_rows_fp8(*quantize_rows_fp8(h, bk), bk)
-        y = (h @ w2e.t()).to(hidden.dtype).float() * topk_weights.reshape(-1)[order[rows]].float()[:, None]
+        y = (h @ w2e.t()).float() * topk_weights.reshape(-1)[order[rows]].float()[:, None]
         out.index_add_(0, tokens[rows], y.to(hidden.dtype).float())
         start += n
     return out.to(hidden.dtype)

@@ -27,12 +27,6 @@ dequantizing the checkpoint would) and the dots accumulate as for bf16 weights. 
 tile's partial dot instead kept the weights exact but broke the accumulator chain of the tensor-core
 pipeline: prefill ran 4x slower than with bf16 weights.
 
-Prefill-sized batches of FP8 experts run W8A8 instead (`kernels.fp8.quantizes_activations`, what
-such checkpoints' `activation_scheme: "dynamic"` describes): each token's activations are
-quantized per K block (one factor per row and block), the dots run FP8 x FP8 on the tensor cores
-(twice the bf16 rate), and each K tile's partial sum is multiplied by the row's and the weight
-block's factors.
-
 Blocks past the padded row count exit at once, so the grid depends only on (T, k, E): no host
 sync, CUDA-graph capturable.
 """
@@ -43,7 +37,6 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.fp8 import quantize_rows_fp8, quantizes_activations
 from kernels.triton_impl.common import dot, ieee, small_tiles
 from kernels.triton_impl.moe_routing import moe_align
 
@@ -62,7 +55,6 @@ def _tile_ids(pid, num_m, num_n, GROUP_M: tl.constexpr):
 @triton.jit
 def _gate_up_kernel(
     x_ptr,
-    xs_ptr,
     w_ptr,
     w_desc,
     s_ptr,
@@ -76,7 +68,6 @@ def _gate_up_kernel(
     N,
     TOP_K: tl.constexpr,
     stride_xt,
-    stride_xs,
     stride_we,
     stride_wn,
     stride_se,
@@ -84,7 +75,6 @@ def _gate_up_kernel(
     stride_an,
     SCALE_N: tl.constexpr,
     SCALE_K: tl.constexpr,
-    A8: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -124,20 +114,14 @@ def _gate_up_kernel(
         else:
             wg = tl.load(wg_ptrs, mask=kmask[:, None] & nmask[None, :], other=0.0)
             wu = tl.load(wu_ptrs, mask=kmask[:, None] & nmask[None, :], other=0.0)
-        if SCALE_N:
+        if SCALE_N:  # FP8 weights: each tile dequantized (value x its block's factor) to the activation dtype
             s_row = s_ptr + expert * stride_se + (k0 // SCALE_K)
             sg = tl.load(s_row + (offs_n // SCALE_N) * stride_sn, mask=nmask, other=0.0)
             su = tl.load(s_row + (tl.cdiv(N, SCALE_N) + offs_n // SCALE_N) * stride_sn, mask=nmask, other=0.0)
-        if A8:  # FP8 x FP8 on the tensor cores; each K tile's partial sum times the row's and the block's factors
-            xs = tl.load(xs_ptr + tokens * stride_xs + k0 // SCALE_K, mask=rmask, other=0.0)
-            acc_g += tl.dot(x, wg) * (xs[:, None] * sg[None, :])
-            acc_u += tl.dot(x, wu) * (xs[:, None] * su[None, :])
-        else:
-            if SCALE_N:  # FP8 weights: each tile dequantized (value x its block's factor) to the activation dtype
-                wg = (wg.to(tl.float32) * sg[None, :]).to(x.dtype)
-                wu = (wu.to(tl.float32) * su[None, :]).to(x.dtype)
-            acc_g = dot(x, wg, acc_g, IEEE)
-            acc_u = dot(x, wu, acc_u, IEEE)
+            wg = (wg.to(tl.float32) * sg[None, :]).to(x.dtype)
+            wu = (wu.to(tl.float32) * su[None, :]).to(x.dtype)
+        acc_g = dot(x, wg, acc_g, IEEE)
+        acc_u = dot(x, wu, acc_u, IEEE)
         x_ptrs += BLOCK_K
         wg_ptrs += BLOCK_K
         wu_ptrs += BLOCK_K
@@ -151,7 +135,6 @@ def _gate_up_kernel(
 @triton.jit
 def _down_kernel(
     a_ptr,
-    as_ptr,
     w_ptr,
     w_desc,
     s_ptr,
@@ -165,7 +148,6 @@ def _down_kernel(
     K,
     N,
     stride_am,
-    stride_as,
     stride_we,
     stride_wn,
     stride_se,
@@ -173,7 +155,6 @@ def _down_kernel(
     stride_om,
     SCALE_N: tl.constexpr,
     SCALE_K: tl.constexpr,
-    A8: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -211,13 +192,8 @@ def _down_kernel(
         if SCALE_N:
             sw = tl.load(s_ptr + expert * stride_se + (k0 // SCALE_K) + (offs_n // SCALE_N) * stride_sn, mask=nmask,
                          other=0.0)  # fmt: skip
-        if A8:
-            ascale = tl.load(as_ptr + rows64 * stride_as + k0 // SCALE_K, mask=rmask, other=0.0)
-            acc += tl.dot(a, w) * (ascale[:, None] * sw[None, :])
-        else:
-            if SCALE_N:
-                w = (w.to(tl.float32) * sw[None, :]).to(a.dtype)
-            acc = dot(a, w, acc, IEEE)
+            w = (w.to(tl.float32) * sw[None, :]).to(a.dtype)
+        acc = dot(a, w, acc, IEEE)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     # the expert's output rounded to the activation dtype (HF's down_proj), then times the fp32 weight
@@ -339,7 +315,6 @@ def fused_experts(
     w13_scale: torch.Tensor | None = None,  # FP8 weights: [E, 2 * ceil(I / bn), ceil(H / bk)] (gate, then up)
     w2_scale: torch.Tensor | None = None,  # [E, ceil(H / bn), ceil(I / bk)]
     fp8_block: tuple[int, int] = (128, 128),  # (bn, bk)
-    fp8_activations: bool | None = None,  # None: for prefill-sized batches (see the module doc)
 ) -> torch.Tensor:  # [T, H]
     """The routed experts' SwiGLU over each token's k choices, weighted and summed. FP8 expert
     weights (`w13_scale`, `w2_scale` given) are read as they are stored, half the bytes of bf16,
@@ -368,27 +343,22 @@ def fused_experts(
             )
     s13 = w13_scale if fp8 else w13  # a pointer the kernels never read without FP8
     s2 = w2_scale if fp8 else w2
-    a8 = fp8 and (quantizes_activations(rows, E) if fp8_activations is None else fp8_activations)
-    x, xs = quantize_rows_fp8(hidden, bk) if a8 else (hidden, s13)
     sorted_ids, expert_ids, npad = moe_align(topk_ids, E, up_cfg["BLOCK_M"])
     num_m = expert_ids.numel()
     act = torch.empty((rows, inter), dtype=hidden.dtype, device=hidden.device)
     up_desc, down_desc = _weight_desc(w13, up_cfg), _weight_desc(w2, down_cfg)
     _launch(
         _gate_up_kernel, up_cfg, num_m, inter,
-        x, xs, w13, up_desc, s13, act, sorted_ids, expert_ids, npad, rows, num_m, H, inter, k,
-        x.stride(0), xs.stride(0), w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1), act.stride(0),
-        SCALE_N=bn, SCALE_K=bk, A8=a8, EVEN_K=H % up_cfg["BLOCK_K"] == 0, IEEE=ieee(hidden),
-        USE_TMA=up_desc is not None,
+        hidden, w13, up_desc, s13, act, sorted_ids, expert_ids, npad, rows, num_m, H, inter, k,
+        hidden.stride(0), w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1), act.stride(0), SCALE_N=bn,
+        SCALE_K=bk, EVEN_K=H % up_cfg["BLOCK_K"] == 0, IEEE=ieee(hidden), USE_TMA=up_desc is not None,
     )  # fmt: skip
     out = torch.empty((rows, H), dtype=hidden.dtype, device=hidden.device)
     weights = topk_weights.reshape(-1).to(torch.float32)
-    a, a_scale = quantize_rows_fp8(act, bk) if a8 else (act, s2)
     _launch(
         _down_kernel, down_cfg, num_m, H,
-        a, a_scale, w2, down_desc, s2, out, weights, sorted_ids, expert_ids, npad, rows, num_m, inter, H,
-        a.stride(0), a_scale.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), out.stride(0),
-        SCALE_N=bn, SCALE_K=bk, A8=a8, EVEN_K=inter % down_cfg["BLOCK_K"] == 0, IEEE=ieee(hidden),
-        USE_TMA=down_desc is not None,
+        act, w2, down_desc, s2, out, weights, sorted_ids, expert_ids, npad, rows, num_m, inter, H,
+        act.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), out.stride(0), SCALE_N=bn, SCALE_K=bk,
+        EVEN_K=inter % down_cfg["BLOCK_K"] == 0, IEEE=ieee(hidden), USE_TMA=down_desc is not None,
     )  # fmt: skip
     return sum_choices(out, k)

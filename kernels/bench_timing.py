@@ -18,7 +18,7 @@ from triton.testing import do_bench, do_bench_cudagraph
 from kernels import ops
 from kernels.attention_refs import paged_decode_attention_ref
 from kernels.cache_ops import copy_blocks_ref
-from kernels.fp8 import dequantize_block_fp8, quantize_block_fp8
+from kernels.fp8 import dequantize_block_fp8, dequantize_gate_up, quantize_block_fp8
 from kernels.fused_moe import fused_moe_ref, moe_topk_ref
 from kernels.mla_decode import mla_decode_attention_ref
 from kernels.paged_attention import reshape_and_cache_static
@@ -195,9 +195,7 @@ class Bench:
             (gq, gs), (uq, us), (w2, s2) = (quantize_block_fp8(w, block) for w in (w13[:, :inter], w13[:, inter:], w2))
             w13, wbytes = torch.cat([gq, uq], dim=1), 1
             scales = dict(w13_scale=torch.cat([gs, us], dim=1), w2_scale=s2, fp8_block=block)
-            bf16_w13 = torch.cat(
-                [dequantize_block_fp8(gq, gs, block, BF16), dequantize_block_fp8(uq, us, block, BF16)], 1
-            )
+            bf16_w13 = dequantize_gate_up(w13, scales["w13_scale"], block, BF16)
             bf16_w2 = dequantize_block_fp8(w2, s2, block, BF16)
         x = torch.randn(T, H, device=DEV, dtype=BF16)
         logits = torch.randn(T, E, device=DEV, dtype=torch.float32)

@@ -49,3 +49,17 @@ def quantize_block_fp8(weight: torch.Tensor, block: tuple[int, int]) -> tuple[to
     scale_inv = amax / FP8_MAX
     q = (w / _expand(scale_inv, w.shape, block)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return q[..., :out, :inp].contiguous(), scale_inv
+
+
+def dequantize_gate_up(
+    w13: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int], dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """The real weight of stacked gate/up experts (`[..., 2I, H]`, factors `[..., 2 * ceil(I / bn), *]`).
+    Gate and up were quantized separately, so each half takes its own rows of factors (a block
+    never spans the two when I is not a multiple of bn)."""
+    inter, half = w13.shape[-2] // 2, scale_inv.shape[-2] // 2
+    return torch.cat(
+        [dequantize_block_fp8(w13[..., :inter, :], scale_inv[..., :half, :], block, dtype),
+         dequantize_block_fp8(w13[..., inter:, :], scale_inv[..., half:, :], block, dtype)],
+        dim=-2,
+    )  # fmt: skip

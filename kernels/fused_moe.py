@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.fp8 import dequantize_block_fp8
+from kernels.fp8 import dequantize_block_fp8, dequantize_gate_up
 
 
 def moe_topk_ref(
@@ -125,7 +125,7 @@ def fused_experts_ref(
         rows = slice(start, start + n)
         w13e, w2e = w13[e], w2[e]
         if w13_scale is not None:
-            w13e = _dequantized_w13(w13e, w13_scale[e], fp8_block).to(hidden.dtype)
+            w13e = dequantize_gate_up(w13e, w13_scale[e], fp8_block, hidden.dtype)
             w2e = dequantize_block_fp8(w2e, w2_scale[e], fp8_block, hidden.dtype)
         gate_up = x[rows] @ w13e.t()  # [n, 2I]
         h = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
@@ -133,15 +133,6 @@ def fused_experts_ref(
         out.index_add_(0, tokens[rows], y.to(hidden.dtype).float())
         start += n
     return out.to(hidden.dtype)
-
-
-def _dequantized_w13(w13: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
-    """One expert's [2I, H] gate/up weight in fp32: gate and up were quantized (and their factors
-    stacked) separately, so each half takes its own rows of factors."""
-    inter = w13.shape[0] // 2
-    half = scale.shape[0] // 2
-    return torch.cat([dequantize_block_fp8(w13[:inter], scale[:half], block),
-                      dequantize_block_fp8(w13[inter:], scale[half:], block)])  # fmt: skip
 
 
 def fused_moe_ref(

@@ -2,8 +2,9 @@
 
 A model maps each checkpoint name to a *canonical* name (`rename`): its own parameter name, or,
 for a routed expert, `<prefix>.experts.<e>.<gate|up|down>_proj.weight` (and, from an FP8
-checkpoint, `.weight_scale_inv`), which `FusedExperts` copies into its stacked slice. `rename` returns None for tensors the model knows but does not
-hold (an MTP layer, an unused vision layer, another rank's half of a checkpoint).
+checkpoint, `.weight_scale_inv`), which `FusedExperts` copies into its stacked slice. `rename`
+returns None for tensors the model knows but does not hold (an MTP layer, an unused vision
+layer, another rank's half of a checkpoint).
 
 `load_weights_by_name` returns every checkpoint name it consumed plus the canonical names it
 filled; `expected_weight_names` lists the canonical names a complete load must fill, so the

@@ -81,6 +81,22 @@ def test_greedy_generation_on_cuda_with_graphs_matches_hf(checkpoint) -> None:
         assert o.outputs[0].token_ids == want[0, len(p) :].tolist()
 
 
+def _kernels_vs_torch_error(model, prompts: dict[str, list[int]], num_blocks: int) -> float:
+    """Relative difference of three decode steps' logits (after prefilling `prompts`) between the
+    Triton kernels and the pure-torch ops, on the same model and paged cache layout."""
+    logits = {}
+    for backend in ("triton", "torch"):
+        registry.set_backend(backend)
+        try:
+            runner = PagedRunner(model, block_size=16, num_blocks=num_blocks)
+            runner.step(list(prompts.items()))
+            steps = [runner.step([(s, [7 + i]) for i, s in enumerate(prompts)]) for _ in range(3)]
+            logits[backend] = torch.stack([torch.cat(step) for step in steps]).float()
+        finally:
+            registry.set_backend("auto")
+    return ((logits["triton"] - logits["torch"]).norm() / logits["torch"].norm()).item()
+
+
 @pytest.mark.skipif(torch.cuda.get_device_capability() != (9, 0), reason="the warp-group MLA kernel is sm_90's")
 def test_deepseek_decode_through_the_sm90_mla_kernel_matches_the_torch_path(tmp_path) -> None:
     """DeepSeek-V3 attention at its real head count and latent dims (128 heads, 512 + 64) in bf16:
@@ -91,18 +107,7 @@ def test_deepseek_decode_through_the_sm90_mla_kernel_matches_the_torch_path(tmp_
                        rope_scaling=None)  # fmt: skip
     model = load_model(model_config_for(tmp_path, dtype=torch.bfloat16), "cuda")
     prompts = {"a": _prompt(70, 3), "b": _prompt(150, 4), "c": _prompt(5, 5)}
-    logits = {}
-    for backend in ("triton", "torch"):
-        registry.set_backend(backend)
-        try:
-            runner = PagedRunner(model, block_size=16, num_blocks=64)
-            runner.step(list(prompts.items()))
-            steps = [runner.step([(s, [int(t)]) for s, t in zip(prompts, (7, 8, 9), strict=True)]) for _ in range(3)]
-            logits[backend] = torch.stack([torch.cat(step) for step in steps]).float()
-        finally:
-            registry.set_backend("auto")
-    err = (logits["triton"] - logits["torch"]).norm() / logits["torch"].norm()
-    assert err < 2e-2, err
+    assert _kernels_vs_torch_error(model, prompts, num_blocks=64) < 2e-2
 
 
 def test_fp8_deepseek_through_the_kernels_matches_the_torch_path(tmp_path) -> None:
@@ -112,16 +117,4 @@ def test_fp8_deepseek_through_the_kernels_matches_the_torch_path(tmp_path) -> No
     (tmp_path / "ref").mkdir()
     quantize_checkpoint_fp8(tmp_path / "fp8", tmp_path / "ref", (128, 128))
     model = load_model(model_config_for(tmp_path / "fp8", dtype=torch.bfloat16), "cuda")
-    prompts = {"a": _prompt(40, 6), "b": _prompt(9, 7)}
-    logits = {}
-    for backend in ("triton", "torch"):
-        registry.set_backend(backend)
-        try:
-            runner = PagedRunner(model, block_size=16, num_blocks=32)
-            runner.step(list(prompts.items()))
-            steps = [runner.step([(s, [int(t)]) for s, t in zip(prompts, (3, 4), strict=True)]) for _ in range(3)]
-            logits[backend] = torch.stack([torch.cat(step) for step in steps]).float()
-        finally:
-            registry.set_backend("auto")
-    err = (logits["triton"] - logits["torch"]).norm() / logits["torch"].norm()
-    assert err < 2e-2, err
+    assert _kernels_vs_torch_error(model, {"a": _prompt(40, 6), "b": _prompt(9, 7)}, num_blocks=32) < 2e-2

@@ -29,7 +29,7 @@ from torch import nn
 
 from deepinfer_core.models.layers.mlp import SwiGLUMLP
 from kernels import ops
-from kernels.fp8 import FP8_DTYPE, dequantize_block_fp8
+from kernels.fp8 import FP8_DTYPE, dequantize_block_fp8, dequantize_gate_up
 from kernels.registry import use_triton
 
 SCORING_FUNCS = ("softmax", "sigmoid")
@@ -226,12 +226,7 @@ class FusedExperts(nn.Module):
     def _weights(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.fp8_block:
             return self.w13_weight, self.w2_weight
-        half = self.w13_weight_scale_inv.shape[1] // 2
-        inter = self.intermediate_size
-        w13 = torch.cat([dequantize_block_fp8(self.w13_weight[:, :inter], self.w13_weight_scale_inv[:, :half],
-                                              self.fp8_block, dtype),
-                         dequantize_block_fp8(self.w13_weight[:, inter:], self.w13_weight_scale_inv[:, half:],
-                                              self.fp8_block, dtype)], dim=1)  # fmt: skip
+        w13 = dequantize_gate_up(self.w13_weight, self.w13_weight_scale_inv, self.fp8_block, dtype)
         return w13, dequantize_block_fp8(self.w2_weight, self.w2_weight_scale_inv, self.fp8_block, dtype)
 
     def forward(self, perm: PermutedTokens) -> torch.Tensor:  # [N, H] -> [N, H]

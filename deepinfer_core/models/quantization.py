@@ -5,11 +5,14 @@ Supported: block-scaled FP8 (`quantization_config = {"quant_method": "fp8", "fmt
 release and of other block-FP8 checkpoints. Each quantized `X.weight` (float8_e4m3fn) comes with
 `X.weight_scale_inv` (one fp32 factor per [bn, bk] block, see `kernels.fp8`).
 
-Weights a model keeps in FP8 (`model.keeps_fp8(name)`: DeepSeek's routed experts, read as stored
-by the fused MoE kernel) pass through with their factors; every other FP8 weight is dequantized
-here, in fp32, and the loader's copy rounds it once to the model dtype. Activations are not
-quantized: "dynamic" activation scales are what such checkpoints ask for and need no tensors;
-"static" ones would, and are refused. Every other `quant_method` is refused with its name.
+Weights a model keeps in FP8 (`model.keeps_fp8(name)`: the routed experts, read as stored by the
+fused MoE kernel) pass through with their factors; every other FP8 weight is dequantized here, in
+fp32, and the loader's copy rounds it once to the model dtype.
+
+Activations stay in the model dtype (W8A16). A "dynamic" activation scheme, which these
+checkpoints name, brings no tensors: its reference implementation quantizes activations at run
+time, which is less exact and, in Triton on an H200, was slower for prefill (deploy/benchmarks.md).
+A "static" scheme would bring activation scales and is refused, as is every other `quant_method`.
 """
 
 from __future__ import annotations

@@ -118,3 +118,24 @@ def test_fp8_deepseek_through_the_kernels_matches_the_torch_path(tmp_path) -> No
     quantize_checkpoint_fp8(tmp_path / "fp8", tmp_path / "ref", (128, 128))
     model = load_model(model_config_for(tmp_path / "fp8", dtype=torch.bfloat16), "cuda")
     assert _kernels_vs_torch_error(model, {"a": _prompt(40, 6), "b": _prompt(9, 7)}, num_blocks=32) < 2e-2
+
+
+@pytest.mark.skipif(torch.cuda.get_device_capability() != (9, 0), reason="the warp-group MLA kernel is sm_90's")
+def test_deepseek_generation_with_decode_graphs_equals_eager(tmp_path) -> None:
+    """The sm_90 MLA kernel inside the engine's decode CUDA graphs: greedy tokens of a 128-head
+    DeepSeek-V3 in bf16 equal those of the same engine run eagerly (same kernels, no graphs)."""
+    save_hf_checkpoint("deepseek_v3", tmp_path, seed=4, num_attention_heads=128, num_key_value_heads=128,
+                       kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=32, v_head_dim=32,
+                       rope_scaling=None)  # fmt: skip
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(f"{TINY_MODEL_DIR}/{name}", tmp_path / name)
+    prompts = [{"prompt_token_ids": _prompt(n, 20 + n)} for n in (5, 33, 70)]
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    tokens = []
+    for eager in (False, True):
+        llm = LLM(str(tmp_path), device="cuda:0", dtype="bfloat16", max_model_len=256, num_gpu_blocks=64,
+                  block_size=16, enforce_eager=eager)  # fmt: skip
+        tokens.append([o.outputs[0].token_ids for o in llm.generate(prompts, params)])
+        del llm
+        torch.cuda.empty_cache()
+    assert tokens[0] == tokens[1]

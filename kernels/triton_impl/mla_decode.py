@@ -195,13 +195,15 @@ def mla_decode_attention(
     q_nope = q_nope if q_nope.stride(-1) == 1 else q_nope.contiguous()
     q_pe = q_pe if q_pe.stride(-1) == 1 else q_pe.contiguous()
     cfg = config or default_config(H, lora, q_nope.dtype)
-    if cfg.get("kernel", "auto") != "tl" and _wgmma_supports(q_nope, q_pe, latent_cache):
-        return _mla_decode_wgmma(q_nope, q_pe, latent_cache, block_tables, seq_lens, scale, out, num_splits)
-    block_h = min(cfg["BLOCK_H"], max(16, next_pow2(H)))
+    hopper = _hopper_kernel(q_nope, q_pe, latent_cache) if cfg.get("kernel", "auto") != "tl" else None
+    if hopper is not None:  # one program per multiprocessor: its stages fill the shared memory
+        block_h, per_sm = hopper.BLOCK_H, 1
+    else:
+        block_h, per_sm = min(cfg["BLOCK_H"], max(16, next_pow2(H))), cfg["per_sm"]
     head_blocks = triton.cdiv(H, block_h)
     if num_splits is None:
         num_splits = choose_num_splits(
-            B * head_blocks, block_tables.shape[1] * page, sm_count(q_nope.device), per_sm=cfg["per_sm"]
+            B * head_blocks, block_tables.shape[1] * page, sm_count(q_nope.device), per_sm=per_sm
         )
     if num_splits > 1:
         part_o = torch.empty((B, H, num_splits, lora), dtype=torch.float32, device=q_nope.device)
@@ -209,6 +211,21 @@ def mla_decode_attention(
         o, o_strides, lse, lse_strides = part_o, part_o.stride()[:3], part_lse, part_lse.stride()[:2]
     else:
         o, o_strides, lse, lse_strides = out, (*out.stride()[:2], 0), out, (0, 0)
+    if hopper is not None:
+        hopper.launch(q_nope, q_pe, latent_cache, block_tables, seq_lens, scale * LOG2E, o, o_strides, lse,
+                      lse_strides, num_splits)  # fmt: skip
+    else:
+        _launch_tl(q_nope, q_pe, latent_cache, block_tables, seq_lens, scale, cfg, block_h, head_blocks, num_splits,
+                   o, o_strides, lse, lse_strides)  # fmt: skip
+    if num_splits > 1:
+        merge_splits(part_o, part_lse, out)
+    return out
+
+
+def _launch_tl(q_nope, q_pe, latent_cache, block_tables, seq_lens, scale, cfg, block_h, head_blocks, num_splits,
+               o, o_strides, lse, lse_strides) -> None:  # fmt: skip
+    B, H, lora = q_nope.shape
+    rope, page = q_pe.shape[-1], latent_cache.shape[1]
     _mla_decode_kernel[(B, head_blocks, num_splits)](
         q_nope, q_pe, latent_cache, block_tables, seq_lens, o, lse,
         q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1),
@@ -218,39 +235,15 @@ def mla_decode_attention(
         BLOCK_H=block_h, BLOCK_N=cfg["BLOCK_N"], num_splits=num_splits, WRITE_LSE=num_splits > 1, IEEE=ieee(q_nope),
         TAIL_ONLY=cfg.get("TAIL_ONLY", False), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
-    if num_splits > 1:
-        merge_splits(part_o, part_lse, out)
-    return out
 
 
-def _wgmma_supports(q_nope, q_pe, latent_cache) -> bool:
-    """The Hopper kernel applies (and its Gluon front end imports: Triton 3.6 or later; older
-    releases lack the module or some of its names)."""
+def _hopper_kernel(q_nope, q_pe, latent_cache):
+    """The sm_90 warp-group kernel's module where it applies, else None (its Gluon front end needs
+    Triton 3.6 or later; older releases lack the module or some of its names)."""
     if not q_nope.is_cuda:
-        return False
+        return None
     try:
         from kernels.triton_impl import mla_decode_wgmma
     except (ImportError, AttributeError):
-        return False
-    return mla_decode_wgmma.supports(q_nope, q_pe, latent_cache)
-
-
-def _mla_decode_wgmma(q_nope, q_pe, latent_cache, block_tables, seq_lens, scale, out, num_splits):
-    from kernels.triton_impl import mla_decode_wgmma as hopper
-
-    B, H, lora = q_nope.shape
-    head_blocks = triton.cdiv(H, hopper.BLOCK_H)
-    if num_splits is None:  # one program per multiprocessor (the stages fill its shared memory)
-        num_splits = choose_num_splits(
-            B * head_blocks, block_tables.shape[1] * latent_cache.shape[1], sm_count(q_nope.device), per_sm=1
-        )
-    if num_splits > 1:
-        part_o = torch.empty((B, H, num_splits, lora), dtype=torch.float32, device=q_nope.device)
-        part_lse = torch.empty((B, H, num_splits), dtype=torch.float32, device=q_nope.device)
-        hopper.launch(q_nope, q_pe, latent_cache, block_tables, seq_lens, scale * LOG2E,
-                      part_o, part_o.stride()[:3], part_lse, part_lse.stride()[:2], num_splits)  # fmt: skip
-        merge_splits(part_o, part_lse, out)
-    else:
-        hopper.launch(q_nope, q_pe, latent_cache, block_tables, seq_lens, scale * LOG2E,
-                      out, (*out.stride()[:2], 0), out, (0, 0), 1)  # fmt: skip
-    return out
+        return None
+    return mla_decode_wgmma if mla_decode_wgmma.supports(q_nope, q_pe, latent_cache) else None

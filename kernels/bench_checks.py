@@ -35,6 +35,17 @@ class CheckResult:
         return not math.isnan(self.error) and self.error <= self.tol
 
 
+def _poison_unowned(cache: torch.Tensor, bt: torch.Tensor, seq_lens: list[int]) -> torch.Tensor:
+    """Stale NaN in every latent-cache slot no sequence owns (block 0, the tail of each last block),
+    after the reference has been computed: a kernel that lets 0 * NaN into its accumulator fails."""
+    page = cache.shape[1]
+    cache[0] = float("nan")
+    for i, n in enumerate(seq_lens):
+        if n % page:
+            cache[bt[i, (n - 1) // page].long(), n % page :] = float("nan")
+    return cache
+
+
 class Checker:
     def __init__(self, device: torch.device, seed: int, small: bool):
         self.device = device
@@ -163,12 +174,7 @@ class Checker:
         lens = torch.tensor(seq_lens, dtype=torch.int32, device=self.device)
         scale = (lora // 2 + rope) ** -0.5
         ref = mla_decode_attention_ref(qn.float(), qp.float(), cache.float(), bt, lens, scale)
-        # then stale NaN in every slot no sequence owns (block 0, the tail of each last block): a
-        # kernel that lets 0 * NaN into its accumulator fails here
-        cache[0] = float("nan")
-        for i, n in enumerate(seq_lens):
-            if n % page:
-                cache[bt[i, (n - 1) // page].long(), n % page :] = float("nan")
+        _poison_unowned(cache, bt, seq_lens)
         impl = triton_module("mla_decode").mla_decode_attention
         default = triton_module("mla_decode").default_config(H, lora, qn.dtype)
         for splits, tail_only in ((None, False), (1, False), (3, False), (1, True), (3, True)):
@@ -192,11 +198,7 @@ class Checker:
         for H in (128, 80):
             qn, qp = self.randn(len(seq_lens), H, lora), self.randn(len(seq_lens), H, rope)
             ref = mla_decode_attention_ref(qn.float(), qp.float(), cache.float(), bt, lens, scale)
-            stale = cache.clone()
-            stale[0] = float("nan")
-            for i, n in enumerate(seq_lens):
-                if n % page:
-                    stale[bt[i, (n - 1) // page].long(), n % page :] = float("nan")
+            stale = _poison_unowned(cache.clone(), bt, seq_lens)
             for splits in (None, 1, 3):
                 out = impl.mla_decode_attention(qn, qp, stale, bt, lens, scale, num_splits=splits)
                 case = f"B={len(seq_lens)} H={H} lora={lora} rope={rope} splits={splits} sm_90 warp groups"

@@ -195,13 +195,17 @@ class Checker:
         lens = torch.tensor(seq_lens, dtype=torch.int32, device=self.device)
         scale = 192**-0.5
         impl = triton_module("mla_decode")
-        for H in (128, 80):
+        # 32, 20 and 16 heads (a tensor-parallel rank's share): tokens as the MMA's rows, 20 with padded
+        # columns; 16 again with heads as rows, most of the tile's rows empty
+        cases = [(128, "auto"), (80, "auto"), (32, "auto"), (20, "auto"), (16, "auto"), (16, "wgmma")]
+        for H, kernel in cases:
             qn, qp = self.randn(len(seq_lens), H, lora), self.randn(len(seq_lens), H, rope)
             ref = mla_decode_attention_ref(qn.float(), qp.float(), cache.float(), bt, lens, scale)
             stale = _poison_unowned(cache.clone(), bt, seq_lens)
             for splits in (None, 1, 3):
-                out = impl.mla_decode_attention(qn, qp, stale, bt, lens, scale, num_splits=splits)
-                case = f"B={len(seq_lens)} H={H} lora={lora} rope={rope} splits={splits} sm_90 warp groups"
+                out = impl.mla_decode_attention(qn, qp, stale, bt, lens, scale, num_splits=splits,
+                                                config={"kernel": kernel})  # fmt: skip
+                case = f"B={len(seq_lens)} H={H} lora={lora} rope={rope} splits={splits} sm_90 kernel={kernel}"
                 self.record("mla_decode_attention", case, out, ref, self.tol())
 
     def moe_topk(self) -> None:

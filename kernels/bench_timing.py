@@ -108,16 +108,15 @@ class Bench:
         args = (qn, qp, cache, bt, lens, scale)
         self.add("mla_decode_attention", shape, lambda: impl.mla_decode_attention(*args), nbytes, flops,
                  "torch ref", lambda: mla_decode_attention_ref(*args))  # fmt: skip
-        if H > 16:  # the tl.dot kernel in the same run: what the sm_90 warp-group kernel gains over it
-            tl_cfg = {**impl.default_config(H, lora), "kernel": "tl"}
-            self.add("mla_decode_attention", shape, partial(impl.mla_decode_attention, *args, config=tl_cfg),
-                     nbytes, flops, tag="tl.dot kernel")  # fmt: skip
+        # the tl.dot kernel in the same run: what the sm_90 warp-group kernels gain over it
+        tl_cfg = {**impl.default_config(H, lora), "kernel": "tl"}
+        self.add("mla_decode_attention", shape, partial(impl.mla_decode_attention, *args, config=tl_cfg),
+                 nbytes, flops, tag="tl.dot kernel")  # fmt: skip
         if self.sweeps("mla_decode_attention"):
             cfgs = [c for c in impl.CANDIDATES if (c["BLOCK_H"] <= 16) == (H <= 16)]
             ref = mla_decode_attention_ref(*args).float()
-            if H > 16:
-                cfgs = [{"kernel": "auto", "per_sm": 1}] + [{**c, "kernel": "tl"} for c in cfgs]
-            for cfg, splits in itertools.product(cfgs, (1, 2, 4) if H > 16 else (4, 8)):
+            cfgs = [{"kernel": "auto", "per_sm": 1}] + [{**c, "kernel": "tl"} for c in cfgs]
+            for cfg, splits in itertools.product(cfgs, (1, 2, 4) if H > 16 else (2, 4, 8)):
                 fn = partial(impl.mla_decode_attention, *args, num_splits=splits, config=cfg)
                 try:  # a tile config that compiles must also be right
                     err = (fn().float() - ref).abs().max().item()
@@ -268,8 +267,9 @@ def run_timings(sweep: list[str] | None = None, only: list[str] | None = None) -
         b.decode(64, 4096, 64, tiles=False)
         b.decode(4, 32768, 32, tiles=False)
     if want("mla_decode_attention"):
-        b.mla(64, 4096, 128)
-        b.mla(64, 4096, 16)
+        b.mla(64, 4096, 128)  # DeepSeek-V3's heads on one GPU (data-parallel attention)
+        b.mla(64, 4096, 32)  # a tensor-parallel rank's share at TP 4
+        b.mla(64, 4096, 16)  # ... at TP 8
     if want("paged_prefill_attention"):
         b.prefill([0], [8192])
         b.prefill([4096] * 4, [2048] * 4)

@@ -7,9 +7,10 @@ latent space (the caller applies W_UV). One program per (sequence, block of head
 a block of heads shares every latent tile it loads, and the tile loaded for the scores is
 reused as the value.
 
-On sm_90, at 16 bits with DeepSeek's latent dims and at least 64 heads, `mla_decode_attention` runs
-the warp-group kernel of `mla_decode_wgmma` instead (written in Gluon: `tl.dot` would have both warp
-groups compute every score); `config={"kernel": "tl"}` keeps this one.
+On sm_90, at 16 bits with DeepSeek's latent dims, `mla_decode_attention` runs a warp-group kernel
+written in Gluon instead: `mla_decode_wgmma` from 64 heads (`tl.dot` would have both warp groups
+compute every score) and `mla_decode_wgmma_narrow` up to 32 (tokens as the MMA's rows, so few heads
+waste no tensor-core work); `config={"kernel": "tl"}` keeps this one.
 """
 
 from __future__ import annotations
@@ -152,7 +153,7 @@ def default_config(num_heads: int, lora: int, dtype: torch.dtype = torch.bfloat1
     if dtype == torch.float32:
         return {"BLOCK_H": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1, "per_sm": 1}
     if num_heads <= 16:  # memory-bound: one head tile, two programs per multiprocessor
-        return {"BLOCK_H": 16, "BLOCK_N": 32, "num_warps": 4, "num_stages": 3, "per_sm": 2, "TAIL_ONLY": True}
+        return {"BLOCK_H": 16, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2, "per_sm": 2, "TAIL_ONLY": True}
     return {"BLOCK_H": 64, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2, "per_sm": 1, "TAIL_ONLY": True}
 
 
@@ -171,6 +172,7 @@ CANDIDATES = [
     _cand(16, 32, 4, 3, 2, False),
     _cand(16, 32, 4, 3, 2, True),
     _cand(16, 64, 4, 2, 2, False),
+    _cand(16, 64, 4, 2, 2, True),
 ]
 
 
@@ -195,7 +197,7 @@ def mla_decode_attention(
     q_nope = q_nope if q_nope.stride(-1) == 1 else q_nope.contiguous()
     q_pe = q_pe if q_pe.stride(-1) == 1 else q_pe.contiguous()
     cfg = config or default_config(H, lora, q_nope.dtype)
-    hopper = _hopper_kernel(q_nope, q_pe, latent_cache) if cfg.get("kernel", "auto") != "tl" else None
+    hopper = _hopper_kernel(q_nope, q_pe, latent_cache, cfg.get("kernel", "auto"))
     if hopper is not None:  # one program per multiprocessor: its stages fill the shared memory
         block_h, per_sm = hopper.BLOCK_H, 1
     else:
@@ -237,13 +239,22 @@ def _launch_tl(q_nope, q_pe, latent_cache, block_tables, seq_lens, scale, cfg, b
     )  # fmt: skip
 
 
-def _hopper_kernel(q_nope, q_pe, latent_cache):
+def _hopper_kernel(q_nope, q_pe, latent_cache, choice: str = "auto"):
     """The sm_90 warp-group kernel's module where it applies, else None (its Gluon front end needs
-    Triton 3.6 or later; older releases lack the module or some of its names)."""
-    if not q_nope.is_cuda:
+    Triton 3.6 or later; older releases lack the module or some of its names).
+
+    `choice`: "auto" (heads as the MMA's rows from 64 heads, tokens as its rows up to 32), "tl"
+    (never), "wgmma" (heads as rows at any head count, the tile's rows partly empty) or "narrow"."""
+    if not q_nope.is_cuda or choice == "tl":
         return None
     try:
-        from kernels.triton_impl import mla_decode_wgmma
+        from kernels.triton_impl import mla_decode_wgmma, mla_decode_wgmma_narrow
     except (ImportError, AttributeError):
         return None
-    return mla_decode_wgmma if mla_decode_wgmma.supports(q_nope, q_pe, latent_cache) else None
+    heads = q_nope.shape[1]
+    if choice == "narrow" or (choice == "auto" and heads <= mla_decode_wgmma_narrow.BLOCK_H):
+        module, ok = mla_decode_wgmma_narrow, mla_decode_wgmma_narrow.supports(q_nope, q_pe, latent_cache)
+    else:
+        min_heads = 1 if choice == "wgmma" else mla_decode_wgmma.BLOCK_H
+        module, ok = mla_decode_wgmma, mla_decode_wgmma.supports(q_nope, q_pe, latent_cache, min_heads)
+    return module if ok else None

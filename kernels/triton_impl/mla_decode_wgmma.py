@@ -169,8 +169,9 @@ def _mla_decode_wgmma_kernel(
         gl.store(lse_ptr + b * stride_lb + heads_s * stride_lh + split, lse, mask=heads_s < NUM_HEADS)
 
 
-def supports(q_nope: torch.Tensor, q_pe: torch.Tensor, latent_cache: torch.Tensor) -> bool:
-    """Hopper, 16-bit, DeepSeek's latent dims (512 + 64), and enough heads to fill a warp group's rows."""
+def supports(q_nope: torch.Tensor, q_pe: torch.Tensor, latent_cache: torch.Tensor, min_heads: int = BLOCK_H) -> bool:
+    """Hopper, 16-bit, DeepSeek's latent dims (512 + 64), and at least `min_heads` heads (by default
+    enough to fill a warp group's rows; fewer leave rows of the tile empty)."""
     if not q_nope.is_cuda or torch.cuda.get_device_capability(q_nope.device) != (9, 0):
         return False
     return (
@@ -178,7 +179,7 @@ def supports(q_nope: torch.Tensor, q_pe: torch.Tensor, latent_cache: torch.Tenso
         and q_pe.dtype == latent_cache.dtype == q_nope.dtype
         and q_nope.shape[-1] == 512
         and q_pe.shape[-1] == 64
-        and q_nope.shape[1] >= BLOCK_H
+        and q_nope.shape[1] >= min_heads
         and latent_cache.stride(1) % 8 == 0  # 16-byte rows for cp.async
         and latent_cache.stride(0) % 8 == 0
     )

@@ -97,12 +97,13 @@ def _kernels_vs_torch_error(model, prompts: dict[str, list[int]], num_blocks: in
     return ((logits["triton"] - logits["torch"]).norm() / logits["torch"].norm()).item()
 
 
-@pytest.mark.skipif(torch.cuda.get_device_capability() != (9, 0), reason="the warp-group MLA kernel is sm_90's")
-def test_deepseek_decode_through_the_sm90_mla_kernel_matches_the_torch_path(tmp_path) -> None:
-    """DeepSeek-V3 attention at its real head count and latent dims (128 heads, 512 + 64) in bf16:
-    decode logits through the engine's paged cache with the Triton kernels (the sm_90 warp-group
-    MLA kernel among them) against the same model on the pure-torch ops."""
-    save_hf_checkpoint("deepseek_v3", tmp_path, seed=3, num_attention_heads=128, num_key_value_heads=128,
+@pytest.mark.skipif(torch.cuda.get_device_capability() != (9, 0), reason="the warp-group MLA kernels are sm_90's")
+@pytest.mark.parametrize("heads", [128, 16], ids=["heads as rows", "tokens as rows"])
+def test_deepseek_decode_through_the_sm90_mla_kernel_matches_the_torch_path(tmp_path, heads) -> None:
+    """DeepSeek-V3 attention at its latent dims (512 + 64) in bf16, with all 128 heads and with a
+    tensor-parallel rank's 16: decode logits through the engine's paged cache with the Triton kernels
+    (one of the sm_90 warp-group MLA kernels among them) against the same model on the pure-torch ops."""
+    save_hf_checkpoint("deepseek_v3", tmp_path, seed=3, num_attention_heads=heads, num_key_value_heads=heads,
                        kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=32, v_head_dim=32,
                        rope_scaling=None)  # fmt: skip
     model = load_model(model_config_for(tmp_path, dtype=torch.bfloat16), "cuda")

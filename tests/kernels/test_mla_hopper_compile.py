@@ -1,11 +1,15 @@
-"""The sm_90 MLA decode kernel (Gluon) cannot run without a Hopper GPU, but it compiles anywhere:
-build it for sm_90 with the installed Triton and check what the kernel's design promises.
+"""The sm_90 MLA decode kernels (Gluon) cannot run without a Hopper GPU, but they compile anywhere:
+build them for sm_90 with the installed Triton and check what each kernel's design promises.
 
-- Each tile's tensor-core work is issued once: per warp group, 36 `m64n32k16` instructions for the
-  scores (64 heads x 32 tokens, 576 deep) and 4 `m64n256k16` for P.V (256 of the 512 output
-  dims, 64 tokens deep). The `tl.dot` kernel issues 72 + 4: both warp groups compute every score.
-- It fits one multiprocessor: shared memory within the 227 KiB an sm_90 block may have, and no
-  register spills (a spill in the loop would cost more than the split saves).
+- Each tile's tensor-core work is issued once.
+  - Heads as rows (`mla_decode_wgmma`), per warp group: 36 `m64n32k16` instructions for the scores
+    (64 heads x 32 tokens, 576 deep) and 4 `m64n256k16` for P.V (256 of the 512 output dims, 64
+    tokens deep). The `tl.dot` kernel issues 72 + 4: both warp groups compute every score.
+  - Tokens as rows (`mla_decode_wgmma_narrow`, ≤ 32 heads): 36 `m64nHk16` for S^T (64 tokens x H
+    heads, 576 deep) and 32 for O^T (8 blocks of 64 output dims x 4 steps of 16 tokens), H being
+    16 or 32: no instruction carries padding rows.
+- Each fits one multiprocessor: shared memory within the 227 KiB an sm_90 block may have, and no
+  register spills (a spill in the loop would cost more than the tiling saves).
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ try:
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    from kernels.triton_impl import mla_decode_wgmma as hopper
+    from kernels.triton_impl import mla_decode_wgmma, mla_decode_wgmma_narrow
 except (ImportError, AttributeError) as exc:  # a Triton without Gluon, or an older Gluon
     pytest.skip(f"no Gluon front end for the sm_90 kernel: {exc}", allow_module_level=True)
 
@@ -31,26 +35,44 @@ STRIDES = ("stride_qnb", "stride_qnh", "stride_qpb", "stride_qph", "stride_cb", 
            "stride_ob", "stride_oh", "stride_os", "stride_lb", "stride_lh")  # fmt: skip
 
 
-@pytest.fixture(scope="module", params=[False, True], ids=["one split", "split partials"])
+# (module, kernel, heads per tile, split partials, instruction shape -> count per warp group and tile)
+KERNELS = {
+    "heads as rows": (mla_decode_wgmma, "_mla_decode_wgmma_kernel", 64, False, {"m64n32k16": 36, "m64n256k16": 4}),
+    "heads as rows, split partials": (
+        mla_decode_wgmma,
+        "_mla_decode_wgmma_kernel",
+        64,
+        True,
+        {"m64n32k16": 36, "m64n256k16": 4},
+    ),  # fmt: skip
+    "tokens as rows, 16 heads": (mla_decode_wgmma_narrow, "_mla_decode_narrow_kernel", 16, True, {"m64n16k16": 68}),
+    "tokens as rows, 32 heads": (mla_decode_wgmma_narrow, "_mla_decode_narrow_kernel", 32, True, {"m64n32k16": 68}),
+}
+
+
+@pytest.fixture(scope="module", params=list(KERNELS))
 def compiled(request):
-    fn = hopper._mla_decode_wgmma_kernel
-    consts = dict(LORA=512, ROPE=64, PAGE=16, BLOCK_H=hopper.BLOCK_H, BLOCK_N=hopper.BLOCK_N, WRITE_LSE=request.param)
+    module, name, block_h, write_lse, _ = KERNELS[request.param]
+    fn = getattr(module, name)
+    consts = dict(LORA=512, ROPE=64, PAGE=16, BLOCK_H=block_h, BLOCK_N=module.BLOCK_N, WRITE_LSE=write_lse)
     sig = {name: "*bf16" for name in POINTERS} | {"bt_ptr": "*i32", "seq_lens_ptr": "*i32", "lse_ptr": "*fp32"}
     sig |= {name: "i32" for name in STRIDES} | {"qk_scale": "fp32", "NUM_HEADS": "i32", "num_splits": "i32"}
     sig |= {name: "constexpr" for name in consts}
     aligned = [n for n in POINTERS + STRIDES if n not in ("stride_os", "stride_lh")]
     attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned}
     src = GluonASTSource(fn, sig, constexprs=consts, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=hopper.NUM_WARPS))
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=module.NUM_WARPS))
+    return kernel, KERNELS[request.param][-1]
 
 
 def test_each_tile_issues_its_tensor_core_work_once(compiled) -> None:
-    shapes = re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)", compiled.asm["ptx"])
-    assert sorted(set(shapes)) == ["m64n256k16", "m64n32k16"], shapes
-    assert shapes.count("m64n32k16") == 36 and shapes.count("m64n256k16") == 4, shapes
+    kernel, expected = compiled
+    shapes = re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)", kernel.asm["ptx"])
+    assert {shape: shapes.count(shape) for shape in set(shapes)} == expected, shapes
 
 
 def test_fits_one_multiprocessor_without_spills(compiled) -> None:
+    compiled, _ = compiled
     assert compiled.metadata.shared <= SM90_SHARED_LIMIT
     cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     if not os.path.exists(cuobjdump):

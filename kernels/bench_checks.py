@@ -185,27 +185,29 @@ class Checker:
             self.mla_decode_hopper()
 
     def mla_decode_hopper(self) -> None:
-        """The sm_90 warp-group kernel at DeepSeek's latent dims: ragged lengths (tails inside a page
-        and inside a 64-token tile), a partial head block, stale NaN past every sequence, splits."""
-        lora, rope, page = 512, 64, 16
-        seq_lens = [1, 37, 300, 129, 64, 1000]
-        num_blocks, bt = self.paged(seq_lens, page)
-        bt = bt + 1
-        cache = self.randn(num_blocks + 1, page, lora + rope)
+        """The sm_90 warp-group kernels at DeepSeek's latent dims: ragged lengths (tails inside a page,
+        a 64-token block and a 128-token step), a partial head block, stale NaN past every sequence,
+        splits, page sizes 16, 8 and 64."""
+        lora, rope = 512, 64
+        seq_lens = [1, 37, 300, 129, 64, 1000, 192]
         lens = torch.tensor(seq_lens, dtype=torch.int32, device=self.device)
         scale = 192**-0.5
         impl = triton_module("mla_decode")
         # 32, 20 and 16 heads (a tensor-parallel rank's share): tokens as the MMA's rows, 20 with padded
         # columns; 16 again with heads as rows, most of the tile's rows empty
-        cases = [(128, "auto"), (80, "auto"), (32, "auto"), (20, "auto"), (16, "auto"), (16, "wgmma")]
-        for H, kernel in cases:
+        cases = [(128, "auto", 16), (80, "auto", 16), (32, "auto", 16), (20, "auto", 16), (16, "auto", 16),
+                 (16, "wgmma", 16), (128, "auto", 8), (128, "auto", 64), (16, "auto", 64)]  # fmt: skip
+        for H, kernel, page in cases:
+            num_blocks, bt = self.paged(seq_lens, page)
+            bt = bt + 1
+            cache = self.randn(num_blocks + 1, page, lora + rope)
             qn, qp = self.randn(len(seq_lens), H, lora), self.randn(len(seq_lens), H, rope)
             ref = mla_decode_attention_ref(qn.float(), qp.float(), cache.float(), bt, lens, scale)
             stale = _poison_unowned(cache.clone(), bt, seq_lens)
             for splits in (None, 1, 3):
                 out = impl.mla_decode_attention(qn, qp, stale, bt, lens, scale, num_splits=splits,
                                                 config={"kernel": kernel})  # fmt: skip
-                case = f"B={len(seq_lens)} H={H} lora={lora} rope={rope} splits={splits} sm_90 kernel={kernel}"
+                case = f"B={len(seq_lens)} H={H} page={page} splits={splits} sm_90 kernel={kernel}"
                 self.record("mla_decode_attention", case, out, ref, self.tol())
 
     def moe_topk(self) -> None:

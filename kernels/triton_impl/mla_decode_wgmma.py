@@ -1,22 +1,26 @@
-"""MLA decode attention for Hopper (sm_90): two warp groups share every latent tile without
-duplicating work.
+"""MLA decode attention for Hopper (sm_90), warp-specialised: two consumer warp groups that take
+turns on 128-token steps and a producer warp group that gathers the latent rows.
 
-Same contract as `mla_decode.mla_decode_attention` (absorbed form, latent cache
-`[num_blocks, block_size, kv_lora_rank + rope]`, split-KV partials merged by the caller).
+Same contract as `mla_decode.mla_decode_attention` (64 heads per program, split-KV partials merged
+by the caller). With 64 heads as the MMA's rows and 128 heads, this op is compute-bound. Two warp
+groups in lock step on 64-token tiles (this kernel's predecessor) each computed scores for only 32
+tokens (`m64n32k16`, bound by shared-memory reads of Q), and the tensor cores idled during the
+softmax and the cross-group maximum. Here:
 
-Why a second kernel: with 64 heads per program the scores `[64, BLOCK_N]` are one warp group's
-worth of rows. `tl.dot` lays a dot that feeds another dot with every warp along the rows, so
-with 8 warps both warp groups compute the whole score tile (1.5x the tensor-core work at
-DeepSeek-V3's 128 heads, where this op is compute-bound). Here the layouts are explicit:
+- a step is two 64-token blocks in two buffers K0, K1; consumer group g scores block g alone
+  (`m64n64k16`: as many bytes read from shared memory as the tensor core consumes);
+- the row maximum is handed one way: group 0 publishes its block's maximum, group 1 folds its own
+  in and publishes the step's maximum, group 0 rescales what it has already done;
+- each group keeps half of the output (256 of the 512 dims) and multiplies both blocks' P (its
+  own and the other group's, the latter through shared memory) with its half of the values;
+- a producer group gathers the next step's rows by `cp.async`, each half of a buffer's columns as
+  soon as its last reader is done (mbarriers, no CTA-wide barrier in the loop), so loads and one
+  group's softmax run under the other group's tensor-core work.
 
-- scores: warp group g computes the tile's tokens `[g * BLOCK_N/2, (g+1) * BLOCK_N/2)`;
-- the row maximum is combined across the two groups (a cross-warp reduction);
-- P goes through shared memory, and warp group g accumulates output dims
-  `[g * LORA/2, (g+1) * LORA/2)` over all of the tile's tokens.
-
-Each tensor-core instruction then runs once. Latent tiles stream through two shared-memory
-stages with `cp.async` (the block table scatters pages, so rows are gathered per token): the
-next tile loads while this one computes. Shared memory: Q 72 KiB + 2 stages x 72 KiB + P 8 KiB.
+Shared memory: Q 72 KiB + K0, K1 2 x 72 KiB + P0 8 KiB; P1 reuses Q's rope columns once both
+consumers hold them in registers. Registers: the loops index every buffer with an opaque 0
+(`j >> 30`); with constant indices the compiler hoists the ~80 loop-invariant shared-memory
+descriptors out of the loops and spills them (60+ local loads per step: 202 -> 157 us measured).
 """
 
 from __future__ import annotations
@@ -26,64 +30,267 @@ import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
 
-# Triton 3.6 names the cp.async gather `async_copy_global_to_shared` and the CTA barrier
-# `thread_barrier`; later releases `async_load` and `barrier`.
-_async_load = getattr(cp, "async_load", None) or cp.async_copy_global_to_shared
-_cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
+from kernels.triton_impl.mla_sm90_common import _async_load
 
-BLOCK_H = 64  # one warp group's rows: the smallest wgmma M
-BLOCK_N = 64
-NUM_WARPS = 8
+BLOCK_H = 64
+BLOCK_N = 64  # tokens per block; a step is two blocks
+NUM_WARPS = 4  # the first consumer group; the second consumer and the producer are worker partitions
+GROUP_THREADS = gl.constexpr(128)
+CONSUMER_REGS = gl.constexpr(232)
+PRODUCER_REGS = gl.constexpr(40)
+PRODUCER_WARPS = gl.constexpr(4)
+
+# mbarrier slots
+# A buffer's columns come in two halves with their own barriers: the left half (latent dims
+# [0, 256)) and the right half (dims [256, 512) and the rope dims). Group 0 alone reads K0's left
+# half after its scores and group 1 alone K0's right half (and the other way round for K1), so each
+# half is refilled as soon as its last reader is done, while the rest of the step still runs.
+K_FULL = gl.constexpr(0)  # + 2 * buffer + half: the producer's rows have landed (one arrival per producer thread)
+K_EMPTY = gl.constexpr(4)  # + 2 * buffer + half: its last reader is done
+M0_READY = gl.constexpr(8)  # group 0 published its block's row maximum
+M1_READY = gl.constexpr(9)  # group 1 published the step's row maximum
+P0_READY = gl.constexpr(10)
+P1_READY = gl.constexpr(11)
+P0_FREE = gl.constexpr(12)  # group 1 has read P0 (group 0 may overwrite it)
+P1_FREE = gl.constexpr(13)
+Q_READY = gl.constexpr(14)  # Q is in shared memory
+QR_TAKEN = gl.constexpr(15)  # group 0 holds Q's rope columns in registers: P1 may overwrite them
+L_READY = gl.constexpr(16)  # both groups' row sums are published (count 2)
+NUM_BARRIERS = gl.constexpr(17)
+LEFT = gl.constexpr(0)
+RIGHT = gl.constexpr(1)
 
 
 @gluon.jit
-def _tile_pages(bt_row, n0, end, PAGE: gl.constexpr, BLOCK_N: gl.constexpr, load_layout: gl.constexpr):
-    """Page id of each token in [n0, n0 + BLOCK_N) (0 past `end`), for the cp.async gather."""
-    offs_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, load_layout))
-    return gl.load(bt_row + offs_n // PAGE, mask=offs_n < end, other=0)
+def _scores(qn_smem, qr, kbuf, krbuf, bars, buf: gl.constexpr, first: gl.constexpr, ph, s_layout: gl.constexpr):
+    """S = Q_nope · K_c^T + Q_rope · K_r^T for one 64-token block (Q's rope columns from registers),
+    the `first` column half as soon as it has landed, then the other."""
+    BLOCK_H: gl.constexpr = qn_smem.shape[0]
+    BLOCK_N: gl.constexpr = kbuf.shape[0]
+    HALF: gl.constexpr = qn_smem.shape[1] // 2
+    s = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=s_layout)
+    mbarrier.wait(bars.index(K_FULL + 2 * buf + first), ph)
+    fence_async_shared()  # the producer's cp.async rows, for the tensor core's reads
+    s = warpgroup_mma(qn_smem.slice(first * HALF, HALF, dim=1), kbuf.slice(first * HALF, HALF, dim=1).permute((1, 0)),
+                      s, use_acc=False, is_async=True)  # fmt: skip
+    if first == RIGHT:
+        s = warpgroup_mma(qr, krbuf.permute((1, 0)), s, is_async=True)
+    mbarrier.wait(bars.index(K_FULL + 2 * buf + (1 - first)), ph)
+    fence_async_shared()
+    s = warpgroup_mma(qn_smem.slice((1 - first) * HALF, HALF, dim=1),
+                      kbuf.slice((1 - first) * HALF, HALF, dim=1).permute((1, 0)), s, is_async=True)  # fmt: skip
+    if first == LEFT:
+        s = warpgroup_mma(qr, krbuf.permute((1, 0)), s, is_async=True)
+    return warpgroup_mma_wait(num_outstanding=0, deps=(s,))
 
 
 @gluon.jit
-def _gather_tile(kc_buf, kr_buf, cache_ptr, page, n0, end, stride_cb, stride_cs,
-                 LORA: gl.constexpr, ROPE: gl.constexpr, PAGE: gl.constexpr, BLOCK_N: gl.constexpr,
-                 load_layout: gl.constexpr):  # fmt: skip
-    """cp.async gather of tokens [n0, n0 + BLOCK_N) into one stage; rows past `end` read zeros."""
-    offs_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, load_layout))
-    nmask = offs_n < end
-    row = cache_ptr + page.to(gl.int64) * stride_cb + (offs_n % PAGE).to(gl.int64) * stride_cs
+def _mask_scale(s, n0, end, qk_scale, s_layout: gl.constexpr):
+    BLOCK_N: gl.constexpr = s.shape[1]
+    cols = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+    return gl.where((cols < end)[None, :], s * qk_scale, float("-inf"))
+
+
+@gluon.jit
+def _p_operand(p, dtype: gl.constexpr, o_layout: gl.constexpr):
+    """P (fp32, score layout) as the register-side operand of the P·V instruction."""
+    return gl.convert_layout(p.to(dtype), gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2))
+
+
+@gluon.jit
+def _consumer0(qn_smem, qp_smem, kc_smem, kr_smem, p0_smem, m_smem, l_smem, bars, qn_base, qp_base,
+               stride_qnh, stride_qph, NUM_HEADS, hb, start, end, n_steps, qk_scale, out_base, stride_oh, lse_base,
+               stride_lh, WRITE_LSE: gl.constexpr):  # fmt: skip
+    """Group 0: loads Q, scores the first block of every step, owns output dims [0, 256)."""
+    BLOCK_H: gl.constexpr = qn_smem.shape[1]
+    LORA: gl.constexpr = qn_smem.shape[2]
+    ROPE: gl.constexpr = qp_smem.shape[1]
+    BLOCK_N: gl.constexpr = kc_smem.shape[1]
+    HALF: gl.constexpr = LORA // 2
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])  # fmt: skip
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, HALF, 16])  # fmt: skip
+    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+    load_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    heads_l = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, load_layout))
+    hmask = (heads_l < NUM_HEADS)[:, None]
     offs_c = gl.arange(0, LORA, layout=gl.SliceLayout(0, load_layout))
     offs_r = gl.arange(0, ROPE, layout=gl.SliceLayout(0, load_layout))
-    _async_load(kc_buf, row[:, None] + offs_c[None, :], mask=nmask[:, None])
-    _async_load(kr_buf, row[:, None] + LORA + offs_r[None, :], mask=nmask[:, None])
+    _async_load(qn_smem.index(0), qn_base + heads_l[:, None] * stride_qnh + offs_c[None, :], mask=hmask)
+    _async_load(qp_smem, qp_base + heads_l[:, None] * stride_qph + offs_r[None, :], mask=hmask)
+    cp.mbarrier_arrive(bars.index(Q_READY), increment_count=False)
+    mbarrier.wait(bars.index(Q_READY), 0)
+    fence_async_shared()
+    qr = qp_smem.load(gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2))
+    mbarrier.arrive(bars.index(QR_TAKEN), count=1)
+
+    m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=row_layout)
+    l_i = gl.zeros([BLOCK_H], gl.float32, layout=row_layout)
+    acc = gl.zeros([BLOCK_H, HALF], gl.float32, layout=o_layout)
+    for j in range(n_steps):
+        ph = j & 1
+        z = j >> 30  # 0, but not provably: the buffers' descriptors are rebuilt in the loop, not hoisted and spilled
+        n0 = start + j * (2 * BLOCK_N)
+        # K0's left half is refilled first (group 0 frees it early): start there
+        s = _scores(qn_smem.index(z), qr, kc_smem.index(z), kr_smem.index(z), bars, 0, LEFT, ph, s_layout)
+        s = _mask_scale(s, n0, end, qk_scale, s_layout)
+        m0 = gl.maximum(m_i, gl.max(s, axis=1))
+        m_smem[0].store(m0)
+        mbarrier.arrive(bars.index(M0_READY), count=1)
+        alpha = gl.exp2(m_i - m0)
+        p = gl.exp2(s - m0[:, None])
+        l_i = l_i * alpha + gl.sum(p, axis=1)
+        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+        acc = warpgroup_mma(
+            _p_operand(p, p0_smem.dtype, o_layout), kc_smem.index(z).slice(0, HALF, dim=1), acc, is_async=True
+        )
+        mbarrier.wait(bars.index(M1_READY), ph)  # group 1 folded its block in: the step's maximum
+        m1 = m_smem[1].load(row_layout)
+        scale1 = gl.exp2(m0 - m1)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        mbarrier.arrive(bars.index(K_EMPTY + 0 + LEFT), count=1)  # K0's left half: group 0 was its last reader
+        acc = acc * gl.convert_layout(scale1, gl.SliceLayout(1, o_layout))[:, None]
+        l_i = l_i * scale1
+        m_i = m1
+        mbarrier.wait(bars.index(P0_FREE), ph ^ 1)  # group 1 has read the previous step's P0
+        p0_smem.store((p * scale1[:, None]).to(p0_smem.dtype))
+        fence_async_shared()
+        mbarrier.arrive(bars.index(P0_READY), count=1)
+        mbarrier.wait(bars.index(P1_READY), ph)
+        fence_async_shared()
+        # P1 (in Q's rope buffer) · V1
+        acc = warpgroup_mma(qp_smem, kc_smem.index(1 + z).slice(0, HALF, dim=1), acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        mbarrier.arrive(bars.index(P1_FREE), count=1)
+        mbarrier.arrive(bars.index(K_EMPTY + 2 + LEFT), count=1)
+
+    l_smem[0].store(l_i)
+    mbarrier.arrive(bars.index(L_READY), count=1)
+    mbarrier.wait(bars.index(L_READY), 0)
+    l_tot = l_i + l_smem[1].load(row_layout)
+    _store_half(acc, l_tot, m_i, 0, hb, NUM_HEADS, out_base, stride_oh, lse_base, stride_lh, o_layout, row_layout,
+                WRITE_LSE)  # fmt: skip
 
 
 @gluon.jit
-def _attend_tile(qn_smem, qp_smem, kc, kr, p_smem, m_i, l_acc, acc, n0, end, qk_scale,
-                 s_layout: gl.constexpr, o_layout: gl.constexpr):  # fmt: skip
-    """One tile of the online softmax, its latent rows in shared memory (`kc`, `kr`)."""
-    BLOCK_H: gl.constexpr = qn_smem.shape[0]
-    BLOCK_N: gl.constexpr = kc.shape[0]
-    s = warpgroup_mma(qn_smem, kc.permute((1, 0)), gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=s_layout),
-                      use_acc=False, is_async=True)  # fmt: skip
-    s = warpgroup_mma(qp_smem, kr.permute((1, 0)), s, is_async=True)
-    s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
-    s = s * qk_scale  # log2 units
-    cols = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-    s = gl.where((cols < end)[None, :], s, float("-inf"))
-    m_new = gl.maximum(m_i, gl.max(s, axis=1))  # the two warp groups' halves of each row meet here
-    alpha = gl.exp2(m_i - m_new)
-    p = gl.exp2(s - m_new[:, None])
-    l_acc = l_acc * alpha[:, None] + p
-    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-    p_smem.store(p.to(p_smem.dtype))
-    fence_async_shared()
-    _cta_barrier()  # both halves of P are in shared memory
-    acc = warpgroup_mma(p_smem, kc, acc, is_async=True)  # the latent is the value
-    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-    _cta_barrier()  # P and this stage are free for the next writes
-    return m_new, l_acc, acc
+def _consumer1(qn_smem, qp_smem, kc_smem, kr_smem, p0_smem, m_smem, l_smem, bars, NUM_HEADS, hb, start, end, n_steps,
+               qk_scale, out_base, stride_oh):  # fmt: skip
+    """Group 1: scores the second block of every step, owns output dims [256, 512)."""
+    BLOCK_H: gl.constexpr = qn_smem.shape[1]
+    LORA: gl.constexpr = qn_smem.shape[2]
+    BLOCK_N: gl.constexpr = kc_smem.shape[1]
+    HALF: gl.constexpr = LORA // 2
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])  # fmt: skip
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, HALF, 16])  # fmt: skip
+    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+    mbarrier.wait(bars.index(Q_READY), 0)
+    qr = qp_smem.load(gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2))
+    mbarrier.wait(bars.index(QR_TAKEN), 0)  # group 0 holds them too: Q's rope columns become P1's buffer
+
+    m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=row_layout)
+    l_i = gl.zeros([BLOCK_H], gl.float32, layout=row_layout)
+    acc = gl.zeros([BLOCK_H, HALF], gl.float32, layout=o_layout)
+    for j in range(n_steps):
+        ph = j & 1
+        z = j >> 30  # see _consumer0
+        n1 = start + j * (2 * BLOCK_N) + BLOCK_N
+        # K1's right half is refilled first (group 1 frees it mid-step): start there
+        s = _scores(qn_smem.index(z), qr, kc_smem.index(1 + z), kr_smem.index(1 + z), bars, 1, RIGHT, ph, s_layout)
+        s = _mask_scale(s, n1, end, qk_scale, s_layout)
+        mbarrier.wait(bars.index(M0_READY), ph)
+        m0 = m_smem[0].load(row_layout)
+        m1 = gl.maximum(m0, gl.max(s, axis=1))
+        m_smem[1].store(m1)
+        mbarrier.arrive(bars.index(M1_READY), count=1)
+        alpha = gl.exp2(m_i - m1)
+        p = gl.exp2(s - m1[:, None])
+        l_i = l_i * alpha + gl.sum(p, axis=1)
+        m_i = m1
+        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+        mbarrier.wait(bars.index(P1_FREE), ph ^ 1)  # group 0 has read the previous step's P1
+        qp_smem.store(p.to(qp_smem.dtype))
+        fence_async_shared()
+        mbarrier.arrive(bars.index(P1_READY), count=1)
+        # P1 from shared memory (it is there for group 0 anyway): registers stay free for the accumulator
+        acc = warpgroup_mma(qp_smem, kc_smem.index(1 + z).slice(HALF, HALF, dim=1), acc, is_async=True)
+        mbarrier.wait(bars.index(P0_READY), ph)
+        fence_async_shared()
+        acc = warpgroup_mma(p0_smem, kc_smem.index(z).slice(HALF, HALF, dim=1), acc, is_async=True)  # P0 · V0
+        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+        mbarrier.arrive(bars.index(K_EMPTY + 2 + RIGHT), count=1)  # K1's right half: group 1 was its last reader
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        mbarrier.arrive(bars.index(P0_FREE), count=1)
+        mbarrier.arrive(bars.index(K_EMPTY + 0 + RIGHT), count=1)
+
+    l_smem[1].store(l_i)
+    mbarrier.arrive(bars.index(L_READY), count=1)
+    mbarrier.wait(bars.index(L_READY), 0)
+    l_tot = l_i + l_smem[0].load(row_layout)
+    _store_half(acc, l_tot, m_i, 1, hb, NUM_HEADS, out_base, stride_oh, out_base, 0, o_layout, row_layout, False)
+
+
+@gluon.jit
+def _store_half(acc, l_tot, m_i, g: gl.constexpr, hb, NUM_HEADS, out_base, stride_oh, lse_base, stride_lh,
+                o_layout: gl.constexpr, row_layout: gl.constexpr, WRITE_LSE: gl.constexpr):  # fmt: skip
+    BLOCK_H: gl.constexpr = acc.shape[0]
+    HALF: gl.constexpr = acc.shape[1]
+    empty = l_tot == 0.0
+    o = acc / gl.convert_layout(gl.where(empty, 1.0, l_tot), gl.SliceLayout(1, o_layout))[:, None]
+    heads = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, o_layout))
+    dims = g * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(0, o_layout))
+    gl.store(out_base + heads[:, None] * stride_oh + dims[None, :], o.to(out_base.dtype.element_ty),
+             mask=(heads < NUM_HEADS)[:, None])  # fmt: skip
+    if WRITE_LSE:
+        heads_s = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=row_layout)
+        lse = gl.where(empty, float("-inf"), m_i + gl.log2(gl.where(empty, 1.0, l_tot)))
+        gl.store(lse_base + heads_s * stride_lh, lse, mask=heads_s < NUM_HEADS)
+
+
+@gluon.jit
+def _producer(kc_smem, kr_smem, bars, cache_ptr, bt_row, start, end, n_steps, stride_cb, stride_cs,
+              PAGE: gl.constexpr):  # fmt: skip
+    """Gathers every step's two blocks (rows past `end` read zeros) into K0, K1 by cp.async."""
+    BLOCK_N: gl.constexpr = kc_smem.shape[1]
+    for j in range(n_steps):
+        n0 = start + j * (2 * BLOCK_N)
+        # in the order the halves are freed: K0 left, K1 right, K0 right, K1 left
+        _load_half(kc_smem, kr_smem, bars, cache_ptr, bt_row, n0, end, j, stride_cb, stride_cs, 0, LEFT, PAGE)
+        _load_half(kc_smem, kr_smem, bars, cache_ptr, bt_row, n0, end, j, stride_cb, stride_cs, 1, RIGHT, PAGE)
+        _load_half(kc_smem, kr_smem, bars, cache_ptr, bt_row, n0, end, j, stride_cb, stride_cs, 0, RIGHT, PAGE)
+        _load_half(kc_smem, kr_smem, bars, cache_ptr, bt_row, n0, end, j, stride_cb, stride_cs, 1, LEFT, PAGE)
+
+
+@gluon.jit
+def _load_half(kc_smem, kr_smem, bars, cache_ptr, bt_row, n0, end, j, stride_cb, stride_cs, buf: gl.constexpr,
+               half: gl.constexpr, PAGE: gl.constexpr):  # fmt: skip
+    """Step j's rows of buffer `buf`, one column half, once its last reader has freed it."""
+    BLOCK_N: gl.constexpr = kc_smem.shape[1]
+    LORA: gl.constexpr = kc_smem.shape[2]
+    HALF: gl.constexpr = LORA // 2
+    CHUNK: gl.constexpr = 64  # columns per issue: few live addresses (the producer runs on few registers)
+    load_layout: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
+    offs_k = gl.arange(0, CHUNK, layout=gl.SliceLayout(0, load_layout))
+    mbarrier.wait(bars.index(K_EMPTY + 2 * buf + half), (j & 1) ^ 1)
+    offs_n = n0 + buf * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, load_layout))
+    nmask = (offs_n < end)[:, None]
+    page = gl.load(bt_row + offs_n // PAGE, mask=offs_n < end, other=0)
+    row = cache_ptr + page.to(gl.int64) * stride_cb + (offs_n % PAGE).to(gl.int64) * stride_cs
+    for c in gl.static_range(HALF // CHUNK):
+        _async_load(kc_smem.index(buf).slice(half * HALF + c * CHUNK, CHUNK, dim=1),
+                    row[:, None] + (half * HALF + c * CHUNK) + offs_k[None, :], mask=nmask)  # fmt: skip
+    if half == RIGHT:
+        _async_load(kr_smem.index(buf), row[:, None] + LORA + offs_k[None, :], mask=nmask)
+    cp.mbarrier_arrive(bars.index(K_FULL + 2 * buf + half), increment_count=False)
 
 
 @gluon.jit
@@ -95,83 +302,67 @@ def _mla_decode_wgmma_kernel(
     LORA: gl.constexpr, ROPE: gl.constexpr, PAGE: gl.constexpr,
     BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, WRITE_LSE: gl.constexpr,
 ):  # fmt: skip
-    gl.static_assert(gl.num_warps() == 8, "two warp groups")
+    gl.static_assert(ROPE == 64, "P1 reuses Q's rope columns: a [BLOCK_H, 64] buffer")
+    gl.static_assert(BLOCK_N == 64)
     dtype: gl.constexpr = qn_ptr.dtype.element_ty
-    # warps [4, 2]: the second warp group takes the right half of N (tokens for S, dims for O)
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
-                                                       instr_shape=[16, BLOCK_N // 2, 16])  # fmt: skip
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
-                                                       instr_shape=[16, LORA // 2, 16])  # fmt: skip
-    load_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0])  # 16-byte cp.async
-    qn_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, LORA], dtype)
-    qp_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, ROPE], dtype)
-    kc_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, LORA], dtype)
-    kr_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, ROPE], dtype)
-    p_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, BLOCK_N], dtype)
-
-    hb = gl.program_id(0)  # head blocks of one (sequence, split) are neighbours: they share tiles in L2
+    hb = gl.program_id(0)
     b = gl.program_id(1).to(gl.int64)
     split = gl.program_id(2)
     seq_len = gl.load(seq_lens_ptr + b)
-    split_len = gl.cdiv(gl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    split_len = gl.cdiv(gl.cdiv(seq_len, num_splits), 2 * BLOCK_N) * (2 * BLOCK_N)
     start = split * split_len
     end = gl.minimum(start + split_len, seq_len)
+    n_steps = gl.cdiv(gl.maximum(end - start, 0), 2 * BLOCK_N)
 
-    qn_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, LORA], qn_sl)
-    qp_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, ROPE], qp_sl)
-    kc_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, LORA], kc_sl)
-    kr_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, ROPE], kr_sl)
-    p_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, BLOCK_N], p_sl)
+    # [1, ...]: indexed by an opaque 0 in the loops, like the K buffers
+    qn_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_H, LORA],
+                                        gl.NVMMASharedLayout.get_default_for([BLOCK_H, LORA], dtype))  # fmt: skip
+    qp_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, ROPE], gl.NVMMASharedLayout.get_default_for([BLOCK_H, ROPE],
+                                                                                                     dtype))  # fmt: skip
+    kc_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, LORA],
+                                        gl.NVMMASharedLayout.get_default_for([BLOCK_N, LORA], dtype))  # fmt: skip
+    kr_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, ROPE],
+                                        gl.NVMMASharedLayout.get_default_for([BLOCK_N, ROPE], dtype))  # fmt: skip
+    p0_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, BLOCK_N],
+                                        gl.NVMMASharedLayout.get_default_for([BLOCK_H, BLOCK_N], dtype))  # fmt: skip
+    vec_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
+    m_smem = (gl.allocate_shared_memory(gl.float32, [BLOCK_H], vec_layout),
+              gl.allocate_shared_memory(gl.float32, [BLOCK_H], vec_layout))  # fmt: skip
+    l_smem = (gl.allocate_shared_memory(gl.float32, [BLOCK_H], vec_layout),
+              gl.allocate_shared_memory(gl.float32, [BLOCK_H], vec_layout))  # fmt: skip
+    bars = gl.allocate_shared_memory(gl.int64, [NUM_BARRIERS, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(NUM_BARRIERS):
+        if i < K_EMPTY:
+            mbarrier.init(bars.index(i), count=PRODUCER_WARPS * 32)  # each producer thread's cp.async
+        elif i == Q_READY:
+            mbarrier.init(bars.index(i), count=GROUP_THREADS)
+        elif i == L_READY:
+            mbarrier.init(bars.index(i), count=2)
+        else:
+            mbarrier.init(bars.index(i), count=1)
 
-    heads_l = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, load_layout))
-    hmask_l = (heads_l < NUM_HEADS)[:, None]
-    offs_c = gl.arange(0, LORA, layout=gl.SliceLayout(0, load_layout))
-    offs_r = gl.arange(0, ROPE, layout=gl.SliceLayout(0, load_layout))
-    _async_load(qn_smem, qn_ptr + b * stride_qnb + heads_l[:, None] * stride_qnh + offs_c[None, :], mask=hmask_l)
-    _async_load(qp_smem, qp_ptr + b * stride_qpb + heads_l[:, None] * stride_qph + offs_r[None, :], mask=hmask_l)
+    qn_base = qn_ptr + b * stride_qnb
+    qp_base = qp_ptr + b * stride_qpb
+    out_base = out_ptr + b * stride_ob + split * stride_os
+    lse_base = lse_ptr + b * stride_lb + split
     bt_row = bt_ptr + b * stride_btb
-    m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_layout))
-    l_acc = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=s_layout)  # row sums, reduced once at the end
-    acc = gl.zeros([BLOCK_H, LORA], gl.float32, layout=o_layout)
-    n_tiles = gl.cdiv(gl.maximum(end - start, 0), BLOCK_N)
-    if n_tiles > 0:
-        _gather_tile(kc_smem.index(0), kr_smem.index(0), cache_ptr,
-                     _tile_pages(bt_row, start, end, PAGE, BLOCK_N, load_layout), start, end, stride_cb, stride_cs,
-                     LORA, ROPE, PAGE, BLOCK_N, load_layout)  # fmt: skip
-    cp.commit_group()
-    # the next tile's page ids, read a tile ahead: the block table's latency stays off the loop
-    pages = _tile_pages(bt_row, start + BLOCK_N, end, PAGE, BLOCK_N, load_layout)
-    for i in range(n_tiles):
-        stage = i % 2
-        n0 = start + i * BLOCK_N
-        if i + 1 < n_tiles:  # the other stage was last read by the previous tile, which has finished
-            _gather_tile(kc_smem.index(1 - stage), kr_smem.index(1 - stage), cache_ptr, pages, n0 + BLOCK_N, end,
-                         stride_cb, stride_cs, LORA, ROPE, PAGE, BLOCK_N, load_layout)  # fmt: skip
-        cp.commit_group()
-        pages = _tile_pages(bt_row, n0 + 2 * BLOCK_N, end, PAGE, BLOCK_N, load_layout)
-        cp.wait_group(1)  # this thread's copies of tile i (and Q) are in
-        fence_async_shared()
-        _cta_barrier()  # ... and every other thread's
-        m_i, l_acc, acc = _attend_tile(qn_smem, qp_smem, kc_smem.index(stage), kr_smem.index(stage), p_smem,
-                                       m_i, l_acc, acc, n0, end, qk_scale, s_layout, o_layout)  # fmt: skip
-    cp.wait_group(0)
-
-    l_i = gl.sum(l_acc, axis=1)
-    empty = l_i == 0.0
-    o = acc / gl.convert_layout(gl.where(empty, 1.0, l_i), gl.SliceLayout(1, o_layout))[:, None]
-    heads_o = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, o_layout))
-    dims_o = gl.arange(0, LORA, layout=gl.SliceLayout(0, o_layout))
-    o_ptrs = out_ptr + b * stride_ob + heads_o[:, None] * stride_oh + split * stride_os + dims_o[None, :]
-    gl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=(heads_o < NUM_HEADS)[:, None])
-    if WRITE_LSE:
-        heads_s = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, s_layout))
-        lse = gl.where(empty, float("-inf"), m_i + gl.log2(gl.where(empty, 1.0, l_i)))
-        gl.store(lse_ptr + b * stride_lb + heads_s * stride_lh + split, lse, mask=heads_s < NUM_HEADS)
+    gl.warp_specialize(
+        [
+            (_consumer0, (qn_smem, qp_smem, kc_smem, kr_smem, p0_smem, m_smem, l_smem, bars, qn_base, qp_base,
+                          stride_qnh, stride_qph, NUM_HEADS, hb, start, end, n_steps, qk_scale, out_base, stride_oh,
+                          lse_base, stride_lh, WRITE_LSE)),
+            (_consumer1, (qn_smem, qp_smem, kc_smem, kr_smem, p0_smem, m_smem, l_smem, bars, NUM_HEADS, hb, start,
+                          end, n_steps, qk_scale, out_base, stride_oh)),
+            (_producer, (kc_smem, kr_smem, bars, cache_ptr, bt_row, start, end, n_steps, stride_cb, stride_cs, PAGE)),
+        ],
+        [4, PRODUCER_WARPS],
+        [CONSUMER_REGS, PRODUCER_REGS],
+    )  # fmt: skip
 
 
 def supports(q_nope: torch.Tensor, q_pe: torch.Tensor, latent_cache: torch.Tensor, min_heads: int = BLOCK_H) -> bool:
     """Hopper, 16-bit, DeepSeek's latent dims (512 + 64), and at least `min_heads` heads (by default
-    enough to fill a warp group's rows; fewer leave rows of the tile empty)."""
+    enough to fill the MMA's 64 rows; fewer leave rows of the tile empty)."""
     if not q_nope.is_cuda or torch.cuda.get_device_capability(q_nope.device) != (9, 0):
         return False
     return (

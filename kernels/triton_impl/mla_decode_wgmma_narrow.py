@@ -13,7 +13,7 @@ rows and the heads the columns,
 
 So every instruction carries real heads and the work per tile is a quarter of the padded
 kernel's. One warp group per program; latent tiles stream through two shared-memory stages by
-`cp.async` as in `mla_decode_wgmma`. Shared memory: 2 stages x 72 KiB + Q (≤ 36 KiB) + P^T.
+`cp.async`. Shared memory: 2 stages x 72 KiB + Q (≤ 36 KiB) + P^T.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
-from kernels.triton_impl.mla_decode_wgmma import _async_load, _cta_barrier, _gather_tile, _tile_pages
+from kernels.triton_impl.mla_sm90_common import _async_load, _cta_barrier, _gather_tile, _tile_pages
 
 BLOCK_H = 32  # most heads per program (the MMA's N); fewer heads use a 16-wide tile
 BLOCK_N = 64  # tokens per tile: the smallest wgmma M

@@ -2,9 +2,10 @@
 build them for sm_90 with the installed Triton and check what each kernel's design promises.
 
 - Each tile's tensor-core work is issued once.
-  - Heads as rows (`mla_decode_wgmma`), per warp group: 36 `m64n32k16` instructions for the scores
-    (64 heads x 32 tokens, 576 deep) and 4 `m64n256k16` for P.V (256 of the 512 output dims, 64
-    tokens deep). The `tl.dot` kernel issues 72 + 4: both warp groups compute every score.
+  - Heads as rows (`mla_decode_wgmma`, warp-specialised), per consumer warp group and 128-token
+    step: 36 `m64n64k16` instructions for its own block's scores (64 heads x 64 tokens, 576 deep)
+    and 8 `m64n256k16` for P.V (256 of the 512 output dims, both blocks); two groups, so 72 + 16
+    in the kernel. The `tl.dot` kernel has both warp groups compute every score.
   - Tokens as rows (`mla_decode_wgmma_narrow`, ≤ 32 heads): 36 `m64nHk16` for S^T (64 tokens x H
     heads, 576 deep) and 32 for O^T (8 blocks of 64 output dims x 4 steps of 16 tokens), H being
     16 or 32: no instruction carries padding rows.
@@ -35,24 +36,22 @@ STRIDES = ("stride_qnb", "stride_qnh", "stride_qpb", "stride_qph", "stride_cb", 
            "stride_ob", "stride_oh", "stride_os", "stride_lb", "stride_lh")  # fmt: skip
 
 
-# (module, kernel, heads per tile, split partials, instruction shape -> count per warp group and tile)
+HEADS_AS_ROWS = {"m64n64k16": 72, "m64n256k16": 16}
+# name: (module, kernel, heads per tile, split partials, instruction shape -> count, stack bytes allowed).
+# The warp-specialised kernel may keep a few set-up values on the stack (24 bytes with Triton 3.9,
+# none with 3.6); what it must not do is spill in its loops, which took 384-504 bytes of stack when
+# its buffers' descriptors were hoisted out of them.
 KERNELS = {
-    "heads as rows": (mla_decode_wgmma, "_mla_decode_wgmma_kernel", 64, False, {"m64n32k16": 36, "m64n256k16": 4}),
-    "heads as rows, split partials": (
-        mla_decode_wgmma,
-        "_mla_decode_wgmma_kernel",
-        64,
-        True,
-        {"m64n32k16": 36, "m64n256k16": 4},
-    ),  # fmt: skip
-    "tokens as rows, 16 heads": (mla_decode_wgmma_narrow, "_mla_decode_narrow_kernel", 16, True, {"m64n16k16": 68}),
-    "tokens as rows, 32 heads": (mla_decode_wgmma_narrow, "_mla_decode_narrow_kernel", 32, True, {"m64n32k16": 68}),
+    "heads as rows": (mla_decode_wgmma, "_mla_decode_wgmma_kernel", 64, False, HEADS_AS_ROWS, 64),
+    "heads as rows, split partials": (mla_decode_wgmma, "_mla_decode_wgmma_kernel", 64, True, HEADS_AS_ROWS, 64),
+    "tokens as rows, 16 heads": (mla_decode_wgmma_narrow, "_mla_decode_narrow_kernel", 16, True, {"m64n16k16": 68}, 0),
+    "tokens as rows, 32 heads": (mla_decode_wgmma_narrow, "_mla_decode_narrow_kernel", 32, True, {"m64n32k16": 68}, 0),
 }
 
 
 @pytest.fixture(scope="module", params=list(KERNELS))
 def compiled(request):
-    module, name, block_h, write_lse, _ = KERNELS[request.param]
+    module, name, block_h, write_lse, _, _ = KERNELS[request.param]
     fn = getattr(module, name)
     consts = dict(LORA=512, ROPE=64, PAGE=16, BLOCK_H=block_h, BLOCK_N=module.BLOCK_N, WRITE_LSE=write_lse)
     sig = {name: "*bf16" for name in POINTERS} | {"bt_ptr": "*i32", "seq_lens_ptr": "*i32", "lse_ptr": "*fp32"}
@@ -62,17 +61,17 @@ def compiled(request):
     attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned}
     src = GluonASTSource(fn, sig, constexprs=consts, attrs=attrs)
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=module.NUM_WARPS))
-    return kernel, KERNELS[request.param][-1]
+    return kernel, *KERNELS[request.param][-2:]
 
 
 def test_each_tile_issues_its_tensor_core_work_once(compiled) -> None:
-    kernel, expected = compiled
+    kernel, expected, _ = compiled
     shapes = re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)", kernel.asm["ptx"])
     assert {shape: shapes.count(shape) for shape in set(shapes)} == expected, shapes
 
 
 def test_fits_one_multiprocessor_without_spills(compiled) -> None:
-    compiled, _ = compiled
+    compiled, _, max_stack = compiled
     assert compiled.metadata.shared <= SM90_SHARED_LIMIT
     cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     if not os.path.exists(cuobjdump):
@@ -84,4 +83,4 @@ def test_fits_one_multiprocessor_without_spills(compiled) -> None:
     finally:
         os.unlink(f.name)
     line = next(ln for ln in usage.splitlines() if "REG:" in ln)
-    assert "STACK:0 " in line and "LOCAL:0 " in line, line
+    assert "LOCAL:0 " in line and int(re.search(r"STACK:(\d+)", line).group(1)) <= max_stack, line

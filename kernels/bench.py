@@ -11,7 +11,8 @@
                                                # a prefill, and tokens/s vs transformers generate on the same
                                                # random weights (kernels/bench_engine.py; CPU: --preset tiny)
 
-Timings are medians of CUDA-event timings (`triton.testing.do_bench`, L2 flushed between runs).
+Timings are the median of three medians of CUDA-event timings (`triton.testing.do_bench`, L2 flushed
+between runs), after 250 ms of warm-up.
 Floors: bytes that must move / measured copy bandwidth, FLOPs / measured bf16 matmul rate;
 `floor/time` is the fraction of the better of the two limits reached.
 """

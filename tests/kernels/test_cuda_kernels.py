@@ -121,11 +121,13 @@ def test_fp8_deepseek_through_the_kernels_matches_the_torch_path(tmp_path) -> No
     assert _kernels_vs_torch_error(model, {"a": _prompt(40, 6), "b": _prompt(9, 7)}, num_blocks=32) < 2e-2
 
 
-@pytest.mark.skipif(torch.cuda.get_device_capability() != (9, 0), reason="the warp-group MLA kernel is sm_90's")
-def test_deepseek_generation_with_decode_graphs_equals_eager(tmp_path) -> None:
-    """The sm_90 MLA kernel inside the engine's decode CUDA graphs: greedy tokens of a 128-head
-    DeepSeek-V3 in bf16 equal those of the same engine run eagerly (same kernels, no graphs)."""
-    save_hf_checkpoint("deepseek_v3", tmp_path, seed=4, num_attention_heads=128, num_key_value_heads=128,
+@pytest.mark.skipif(torch.cuda.get_device_capability() != (9, 0), reason="the warp-group MLA kernels are sm_90's")
+@pytest.mark.parametrize("heads", [128, 16], ids=["heads as rows", "tokens as rows"])
+def test_deepseek_generation_with_decode_graphs_equals_eager(tmp_path, heads) -> None:
+    """The sm_90 MLA kernels inside the engine's decode CUDA graphs: greedy tokens of a DeepSeek-V3
+    with 128 (or a tensor-parallel rank's 16) heads in bf16 equal those of the same engine run eagerly
+    (same kernels, no graphs)."""
+    save_hf_checkpoint("deepseek_v3", tmp_path, seed=4, num_attention_heads=heads, num_key_value_heads=heads,
                        kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=32, v_head_dim=32,
                        rope_scaling=None)  # fmt: skip
     for name in ("tokenizer.json", "tokenizer_config.json"):

@@ -37,7 +37,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from kernels.triton_impl.mla_sm90_common import _async_load
+from kernels.triton_impl.mla_sm90_common import _async_load, sm90_latent_operands
 
 BLOCK_H = 64
 BLOCK_N = 64  # tokens per block; a step is two blocks
@@ -107,17 +107,13 @@ def _p_operand(p, dtype: gl.constexpr, o_layout: gl.constexpr):
 @gluon.jit
 def _consumer0(qn_smem, qp_smem, kc_smem, kr_smem, p0_smem, m_smem, l_smem, bars, qn_base, qp_base,
                stride_qnh, stride_qph, NUM_HEADS, hb, start, end, n_steps, qk_scale, out_base, stride_oh, lse_base,
-               stride_lh, WRITE_LSE: gl.constexpr):  # fmt: skip
+               stride_lh, WRITE_LSE: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr):  # fmt: skip
     """Group 0: loads Q, scores the first block of every step, owns output dims [0, 256)."""
     BLOCK_H: gl.constexpr = qn_smem.shape[1]
     LORA: gl.constexpr = qn_smem.shape[2]
     ROPE: gl.constexpr = qp_smem.shape[1]
     BLOCK_N: gl.constexpr = kc_smem.shape[1]
     HALF: gl.constexpr = LORA // 2
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, BLOCK_N, 16])  # fmt: skip
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, HALF, 16])  # fmt: skip
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
     load_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
     heads_l = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, load_layout))
@@ -182,16 +178,12 @@ def _consumer0(qn_smem, qp_smem, kc_smem, kr_smem, p0_smem, m_smem, l_smem, bars
 
 @gluon.jit
 def _consumer1(qn_smem, qp_smem, kc_smem, kr_smem, p0_smem, m_smem, l_smem, bars, NUM_HEADS, hb, start, end, n_steps,
-               qk_scale, out_base, stride_oh):  # fmt: skip
+               qk_scale, out_base, stride_oh, s_layout: gl.constexpr, o_layout: gl.constexpr):  # fmt: skip
     """Group 1: scores the second block of every step, owns output dims [256, 512)."""
     BLOCK_H: gl.constexpr = qn_smem.shape[1]
     LORA: gl.constexpr = qn_smem.shape[2]
     BLOCK_N: gl.constexpr = kc_smem.shape[1]
     HALF: gl.constexpr = LORA // 2
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, BLOCK_N, 16])  # fmt: skip
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, HALF, 16])  # fmt: skip
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
     mbarrier.wait(bars.index(Q_READY), 0)
     qr = qp_smem.load(gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2))
@@ -305,6 +297,11 @@ def _mla_decode_wgmma_kernel(
     gl.static_assert(ROPE == 64, "P1 reuses Q's rope columns: a [BLOCK_H, 64] buffer")
     gl.static_assert(BLOCK_N == 64)
     dtype: gl.constexpr = qn_ptr.dtype.element_ty
+    # each consumer group's scores [BLOCK_H, BLOCK_N] and its half of the output [BLOCK_H, LORA / 2]
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])  # fmt: skip
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, LORA // 2, 16])  # fmt: skip
     hb = gl.program_id(0)
     b = gl.program_id(1).to(gl.int64)
     split = gl.program_id(2)
@@ -350,9 +347,9 @@ def _mla_decode_wgmma_kernel(
         [
             (_consumer0, (qn_smem, qp_smem, kc_smem, kr_smem, p0_smem, m_smem, l_smem, bars, qn_base, qp_base,
                           stride_qnh, stride_qph, NUM_HEADS, hb, start, end, n_steps, qk_scale, out_base, stride_oh,
-                          lse_base, stride_lh, WRITE_LSE)),
+                          lse_base, stride_lh, WRITE_LSE, s_layout, o_layout)),
             (_consumer1, (qn_smem, qp_smem, kc_smem, kr_smem, p0_smem, m_smem, l_smem, bars, NUM_HEADS, hb, start,
-                          end, n_steps, qk_scale, out_base, stride_oh)),
+                          end, n_steps, qk_scale, out_base, stride_oh, s_layout, o_layout)),
             (_producer, (kc_smem, kr_smem, bars, cache_ptr, bt_row, start, end, n_steps, stride_cb, stride_cs, PAGE)),
         ],
         [4, PRODUCER_WARPS],
@@ -361,19 +358,9 @@ def _mla_decode_wgmma_kernel(
 
 
 def supports(q_nope: torch.Tensor, q_pe: torch.Tensor, latent_cache: torch.Tensor, min_heads: int = BLOCK_H) -> bool:
-    """Hopper, 16-bit, DeepSeek's latent dims (512 + 64), and at least `min_heads` heads (by default
-    enough to fill the MMA's 64 rows; fewer leave rows of the tile empty)."""
-    if not q_nope.is_cuda or torch.cuda.get_device_capability(q_nope.device) != (9, 0):
-        return False
-    return (
-        q_nope.dtype in (torch.bfloat16, torch.float16)
-        and q_pe.dtype == latent_cache.dtype == q_nope.dtype
-        and q_nope.shape[-1] == 512
-        and q_pe.shape[-1] == 64
-        and q_nope.shape[1] >= min_heads
-        and latent_cache.stride(1) % 8 == 0  # 16-byte rows for cp.async
-        and latent_cache.stride(0) % 8 == 0
-    )
+    """`sm90_latent_operands` with at least `min_heads` heads (by default enough to fill the MMA's
+    64 rows; fewer leave rows of the tile empty)."""
+    return q_nope.shape[1] >= min_heads and sm90_latent_operands(q_nope, q_pe, latent_cache)
 
 
 def launch(q_nope, q_pe, latent_cache, block_tables, seq_lens, qk_scale, o, o_strides, lse, lse_strides,

@@ -24,7 +24,13 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
-from kernels.triton_impl.mla_sm90_common import _async_load, _cta_barrier, _gather_tile, _tile_pages
+from kernels.triton_impl.mla_sm90_common import (
+    _async_load,
+    _cta_barrier,
+    _gather_tile,
+    _tile_pages,
+    sm90_latent_operands,
+)
 
 BLOCK_H = 32  # most heads per program (the MMA's N); fewer heads use a 16-wide tile
 BLOCK_N = 64  # tokens per tile: the smallest wgmma M
@@ -140,18 +146,8 @@ def _mla_decode_narrow_kernel(
 
 
 def supports(q_nope: torch.Tensor, q_pe: torch.Tensor, latent_cache: torch.Tensor) -> bool:
-    """Hopper, 16-bit, DeepSeek's latent dims (512 + 64), at most `BLOCK_H` heads."""
-    if not q_nope.is_cuda or torch.cuda.get_device_capability(q_nope.device) != (9, 0):
-        return False
-    return (
-        q_nope.dtype in (torch.bfloat16, torch.float16)
-        and q_pe.dtype == latent_cache.dtype == q_nope.dtype
-        and q_nope.shape[-1] == 512
-        and q_pe.shape[-1] == 64
-        and q_nope.shape[1] <= BLOCK_H
-        and latent_cache.stride(1) % 8 == 0  # 16-byte rows for cp.async
-        and latent_cache.stride(0) % 8 == 0
-    )
+    """`sm90_latent_operands` with at most `BLOCK_H` heads."""
+    return q_nope.shape[1] <= BLOCK_H and sm90_latent_operands(q_nope, q_pe, latent_cache)
 
 
 def launch(q_nope, q_pe, latent_cache, block_tables, seq_lens, qk_scale, o, o_strides, lse, lse_strides,

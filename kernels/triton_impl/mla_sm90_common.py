@@ -3,6 +3,7 @@ the `cp.async` gather of latent rows through the block table."""
 
 from __future__ import annotations
 
+import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
@@ -32,3 +33,18 @@ def _gather_tile(kc_buf, kr_buf, cache_ptr, page, n0, end, stride_cb, stride_cs,
     offs_r = gl.arange(0, ROPE, layout=gl.SliceLayout(0, load_layout))
     _async_load(kc_buf, row[:, None] + offs_c[None, :], mask=nmask[:, None])
     _async_load(kr_buf, row[:, None] + LORA + offs_r[None, :], mask=nmask[:, None])
+
+
+def sm90_latent_operands(q_nope: torch.Tensor, q_pe: torch.Tensor, latent_cache: torch.Tensor) -> bool:
+    """What every sm_90 MLA kernel needs: a Hopper GPU, 16-bit operands of one dtype, DeepSeek's latent
+    dims (512 + 64), and 16-byte aligned cache rows for `cp.async`."""
+    if not q_nope.is_cuda or torch.cuda.get_device_capability(q_nope.device) != (9, 0):
+        return False
+    return (
+        q_nope.dtype in (torch.bfloat16, torch.float16)
+        and q_pe.dtype == latent_cache.dtype == q_nope.dtype
+        and q_nope.shape[-1] == 512
+        and q_pe.shape[-1] == 64
+        and latent_cache.stride(1) % 8 == 0
+        and latent_cache.stride(0) % 8 == 0
+    )

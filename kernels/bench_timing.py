@@ -273,8 +273,7 @@ def run_timings(sweep: list[str] | None = None, only: list[str] | None = None) -
         b.decode(64, 4096, 64, tiles=False)
         b.decode(4, 32768, 32, tiles=False)
     if want("mla_decode_attention"):
-        # memory-bound shapes first: timed right after the compute-bound one they read up to 1.6x slower
-        # (the card's state after sustained load, not the kernel: both kernels slow down alike)
+        # memory-bound shapes first: they are the ones the card's slow episodes move most (see bench_ms)
         b.mla(64, 4096, 16)  # a tensor-parallel rank's share of DeepSeek-V3's heads at TP 8
         b.mla(64, 4096, 32)  # ... at TP 4
         b.mla(64, 4096, 128)  # all heads on one GPU (data-parallel attention)

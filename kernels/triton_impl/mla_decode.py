@@ -241,7 +241,7 @@ def _launch_tl(q_nope, q_pe, latent_cache, block_tables, seq_lens, scale, cfg, b
 
 
 def _hopper_kernel(q_nope, q_pe, latent_cache, choice: str = "auto"):
-    """The sm_90 warp-group kernel's module where it applies, else None (its Gluon front end needs
+    """The module of the sm_90 warp-group kernel that applies, else None (its Gluon front end needs
     Triton 3.6 or later; older releases lack the module or some of its names).
 
     `choice`: "auto" (heads as the MMA's rows from 64 heads, tokens as its rows up to 32), "tl"

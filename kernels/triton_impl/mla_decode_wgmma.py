@@ -168,12 +168,8 @@ def _consumer0(qn_smem, qp_smem, kc_smem, kr_smem, p0_smem, m_smem, l_smem, bars
         mbarrier.arrive(bars.index(P1_FREE), count=1)
         mbarrier.arrive(bars.index(K_EMPTY + 2 + LEFT), count=1)
 
-    l_smem[0].store(l_i)
-    mbarrier.arrive(bars.index(L_READY), count=1)
-    mbarrier.wait(bars.index(L_READY), 0)
-    l_tot = l_i + l_smem[1].load(row_layout)
-    _store_half(acc, l_tot, m_i, 0, hb, NUM_HEADS, out_base, stride_oh, lse_base, stride_lh, o_layout, row_layout,
-                WRITE_LSE)  # fmt: skip
+    _finish(acc, l_i, m_i, 0, l_smem, bars, hb, NUM_HEADS, out_base, stride_oh, lse_base, stride_lh, o_layout,
+            row_layout, WRITE_LSE)  # fmt: skip
 
 
 @gluon.jit
@@ -224,18 +220,20 @@ def _consumer1(qn_smem, qp_smem, kc_smem, kr_smem, p0_smem, m_smem, l_smem, bars
         mbarrier.arrive(bars.index(P0_FREE), count=1)
         mbarrier.arrive(bars.index(K_EMPTY + 0 + RIGHT), count=1)
 
-    l_smem[1].store(l_i)
-    mbarrier.arrive(bars.index(L_READY), count=1)
-    mbarrier.wait(bars.index(L_READY), 0)
-    l_tot = l_i + l_smem[0].load(row_layout)
-    _store_half(acc, l_tot, m_i, 1, hb, NUM_HEADS, out_base, stride_oh, out_base, 0, o_layout, row_layout, False)
+    _finish(acc, l_i, m_i, 1, l_smem, bars, hb, NUM_HEADS, out_base, stride_oh, out_base, 0, o_layout, row_layout,
+            False)  # fmt: skip
 
 
 @gluon.jit
-def _store_half(acc, l_tot, m_i, g: gl.constexpr, hb, NUM_HEADS, out_base, stride_oh, lse_base, stride_lh,
-                o_layout: gl.constexpr, row_layout: gl.constexpr, WRITE_LSE: gl.constexpr):  # fmt: skip
+def _finish(acc, l_i, m_i, g: gl.constexpr, l_smem, bars, hb, NUM_HEADS, out_base, stride_oh, lse_base, stride_lh,
+            o_layout: gl.constexpr, row_layout: gl.constexpr, WRITE_LSE: gl.constexpr):  # fmt: skip
+    """The two groups' row sums meet; group g stores its half of the output (and the log-sum-exp)."""
     BLOCK_H: gl.constexpr = acc.shape[0]
     HALF: gl.constexpr = acc.shape[1]
+    l_smem[g].store(l_i)
+    mbarrier.arrive(bars.index(L_READY), count=1)
+    mbarrier.wait(bars.index(L_READY), 0)
+    l_tot = l_i + l_smem[1 - g].load(row_layout)
     empty = l_tot == 0.0
     o = acc / gl.convert_layout(gl.where(empty, 1.0, l_tot), gl.SliceLayout(1, o_layout))[:, None]
     heads = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, o_layout))

@@ -215,8 +215,13 @@ async def _counted(core: GatewayCore, events: AsyncIterator[str]) -> AsyncIterat
         core.release()
 
 
+# Characters JSON leaves raw that common clients read as line ends (httpx's `iter_lines` and Python's
+# `str.splitlines` split on them), which would cut an event in two: a generated token can be one.
+_LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
 def _sse(obj: dict[str, Any]) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+    return f"data: {json.dumps(obj, ensure_ascii=False).translate(_LINE_BREAKS)}\n\n"
 
 
 async def _completion_events(core, prompts, params, fmt: Formatter, include_usage: bool) -> AsyncIterator[str]:

@@ -1,5 +1,7 @@
 """Gateway admission and validation as plain units (the e2e bad-input matrix covers HTTP)."""
 
+import json
+
 import pytest
 
 from deepinfer_core.builtin import TINY_MODEL_DIR
@@ -58,3 +60,16 @@ def test_validation_statuses_and_params():
         core.tokenizer.encode("a"),
         core.tokenizer.encode("b"),
     ]
+
+
+def test_a_streamed_event_stays_one_line_whatever_the_tokens() -> None:
+    """Token text with characters that clients split lines on (NEL, the Unicode line and paragraph
+    separators) still reaches an httpx `iter_lines` reader as one `data:` line that parses back."""
+    from httpx._decoders import LineDecoder
+
+    from services.gateway.http_app import _sse
+
+    chunk = {"choices": [{"index": 0, "text": "a\x85b\u2028c\u2029d\re\nf é"}]}
+    lines = [ln for ln in LineDecoder().decode(_sse(chunk)) if ln]
+    assert len(lines) == 1 and lines[0].startswith("data: ")
+    assert json.loads(lines[0][6:]) == chunk

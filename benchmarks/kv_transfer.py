@@ -96,6 +96,7 @@ def handoff(pe: PromptEngine, ce: EngineProcess, rid: str, prompt: list[int]) ->
     deadline = time.monotonic() + 60
     while not any(o.request_id == rid and o.finished for o in ce.call("collect")[0]):
         assert time.monotonic() < deadline, f"the CE did not finish {rid}"
+        pe.poll_handoffs()  # as an engine loop does between steps
     return elapsed, results[0]
 
 

@@ -25,6 +25,7 @@ _SPECS: dict[str, tuple[Callable[[str], object], str]] = {
     "DEEPINFER_USE_NEXTN_DECODE": (int, "0"),
     "DEEPINFER_LOG_LEVEL": (str, "INFO"),
     "DEEPINFER_NIXL_PROGRESS_DELAY_US": (int, "200"),
+    "DEEPINFER_NIXL_PROGRESS_THREAD": (str, "auto"),
     "DEEPINFER_PD_STREAM_CHUNKS": (_bool, "1"),
     "DEEPINFER_PD_LAYER_GROUPS": (int, "0"),
 }
@@ -44,6 +45,9 @@ DEEPINFER_USE_NEXTN_DECODE: int
 DEEPINFER_LOG_LEVEL: str
 DEEPINFER_NIXL_PROGRESS_DELAY_US: int
 """Pause of each NIXL agent's progress thread between rounds (0: spin, a whole core per engine)."""
+DEEPINFER_NIXL_PROGRESS_THREAD: str
+"""NIXL progress thread: "auto" (every agent but a PE's with a GPU cache, whose engine drives
+progress itself while it waits for its writes), "1" or "0"."""
 DEEPINFER_PD_STREAM_CHUNKS: bool
 """PE: write each chunk's full KV blocks to the CE while the next chunk computes (chunked prefill)."""
 DEEPINFER_PD_LAYER_GROUPS: int

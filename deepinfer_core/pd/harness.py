@@ -126,6 +126,7 @@ class _Server:
             "prefix_hit_tokens": sched.block_manager.prefix_hits,
             "lease_expiries": getattr(self.engine, "num_lease_expiries", 0),
             "remote_lists": agent.num_remote_lists if agent is not None else 0,
+            "progress_thread": agent.progress_thread if agent is not None else None,
         }
 
     def pump(self) -> bool:

@@ -82,7 +82,7 @@ class PromptEngine(LLMEngine):
 
     def init_pd_split(self) -> None:
         self.layout = KVLayout.of(self.config.model.hf_config, self.cache.kv_buffer, self.config.cache.block_size)
-        self.agent = NixlKVAgent(self.name, self.cache.kv_buffer, self.layout)
+        self.agent = NixlKVAgent(self.name, self.cache.kv_buffer, self.layout, sends=True)
         self.agent.prepare_writes()
         self.set_layer_groups(envs.DEEPINFER_PD_LAYER_GROUPS or (4 if self.cache.kv_buffer.is_cuda else 1))
         self.targets: dict[str, KVTarget] = {}
@@ -315,6 +315,12 @@ class PromptEngine(LLMEngine):
                 pending.error,
             )
         )
+
+    def poll_handoffs(self) -> list:
+        """Drive the transfer plane between steps (a PE's notices must leave even while it idles);
+        a PE has no outputs to report here, its hand-offs come from `pop_handoff_results`."""
+        self.agent.progress()
+        return []
 
     def pop_handoff_results(self) -> list[HandoffResult]:
         results, self.handoff_results = self.handoff_results, []

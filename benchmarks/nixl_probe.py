@@ -15,6 +15,8 @@ the whole, and ratio = copy time / whole time.
 
     python benchmarks/nixl_probe.py --src cuda:0 --dst cuda:1      # GPU0 -> GPU1 VRAM
     python benchmarks/nixl_probe.py                                 # CPU DRAM -> DRAM
+    python benchmarks/nixl_probe.py --src cuda:0 --dst cuda:1 --initiator-thread off
+                                          # the writer polls its transfers itself, as a GPU PE does
 """
 
 from __future__ import annotations
@@ -30,10 +32,11 @@ import torch
 MiB = 2**20
 
 
-def _agent(name: str, num_threads: int = 0):
+def _agent(name: str, num_threads: int = 0, progress_thread: bool = True):
     from nixl._api import nixl_agent, nixl_agent_config
 
-    return nixl_agent(name, nixl_agent_config(backends=["UCX"], num_threads=num_threads))
+    config = nixl_agent_config(backends=["UCX"], num_threads=num_threads, enable_prog_thread=progress_thread)
+    return nixl_agent(name, config)
 
 
 def _target(device: str, nbytes: int, num_threads: int, conn) -> None:
@@ -69,6 +72,12 @@ def main() -> None:
     ap.add_argument("--label", default="")
     ap.add_argument("--op", choices=["WRITE", "READ"], default="WRITE")
     ap.add_argument("--concurrent", type=int, default=4, help="transfers a prepN variant splits the payload into")
+    ap.add_argument(
+        "--initiator-thread",
+        choices=["on", "off"],
+        default="on",
+        help="NIXL's progress thread in this process (on: nixl's Python default, spinning); the peer keeps its own",
+    )
     args = ap.parse_args()
     total_max = max(args.sizes_mib) * MiB
     ctx = mp.get_context("spawn")
@@ -78,7 +87,7 @@ def main() -> None:
     meta, remote_base, remote_dev = parent.recv()
     src = torch.empty(total_max, dtype=torch.uint8, device=args.src)
     src.fill_(7)
-    agent = _agent("probe-initiator", args.num_threads)
+    agent = _agent("probe-initiator", args.num_threads, progress_thread=args.initiator_thread == "on")
     agent.register_memory(src)
     peer = agent.add_remote_agent(meta)
     peer = peer.decode() if isinstance(peer, bytes) else peer
@@ -104,7 +113,7 @@ def main() -> None:
             agent.release_xfer_handle(h)
         return t1 - t0, t2 - t1, t3 - t0
 
-    print(f"# {args.label} {args.op} {args.src} -> {args.dst}", flush=True)
+    print(f"# {args.label} {args.op} {args.src} -> {args.dst}, initiator thread {args.initiator_thread}", flush=True)
     print(f"{'MiB':>6} {'variant':<16} {'descs':>6} {'prepare us':>10} {'post us':>8} {'total ms':>9} "
           f"{'GB/s':>7} {'copy GB/s':>9} {'ratio':>6}")  # fmt: skip
     dst_local = None

@@ -6,6 +6,7 @@ import time
 
 import pytest
 
+from deepinfer_core import envs
 from deepinfer_core.pd.harness import RemoteError
 from deepinfer_core.pd.prompt_engine import PromptEngine
 from tests.helpers.pd import ENGINE_ARGS, greedy, local_pe, reserve, run_pe, start_ce, wait_ce, wait_free_blocks
@@ -24,7 +25,9 @@ class KillsPeerMidTransfer(PromptEngine):
             self.victim.kill()
 
 
-def test_ce_killed_mid_transfer_frees_pe_blocks_and_reports_the_error():
+@pytest.mark.parametrize("pe_thread", ["1", "0"])  # "0": how a PE with a GPU cache runs
+def test_ce_killed_mid_transfer_frees_pe_blocks_and_reports_the_error(monkeypatch, pe_thread):
+    monkeypatch.setattr(envs, "DEEPINFER_NIXL_PROGRESS_THREAD", pe_thread)
     ce = start_ce()
     pe = local_pe(KillsPeerMidTransfer, transfer_timeout_s=5.0)
     free0 = pe.scheduler.block_manager.num_free_blocks
@@ -65,7 +68,6 @@ class KillsPeerMidStream(PromptEngine):
 
 
 def test_ce_killed_while_chunks_stream_frees_pe_blocks_and_reports_the_error(monkeypatch):
-    from deepinfer_core import envs
 
     monkeypatch.setattr(envs, "DEEPINFER_PD_STREAM_CHUNKS", True)
     ce = start_ce()
@@ -138,8 +140,6 @@ def test_lease_expiring_during_prefill_never_writes_and_releases_the_quarantine(
 
 
 def test_lease_expiring_between_chunks_stops_the_stream_and_releases_the_quarantine(ce, monkeypatch):
-    from deepinfer_core import envs
-
     monkeypatch.setattr(envs, "DEEPINFER_PD_STREAM_CHUNKS", True)
     prompt = list(range(1, 70))
     pe = local_pe(chunked_prefill=True, max_num_batched_tokens=24)
@@ -157,14 +157,23 @@ def test_lease_expiring_between_chunks_stops_the_stream_and_releases_the_quarant
     assert wait_free_blocks(ce, N, timeout_s=0.9) == N  # the PE's notice ends the quarantine early
 
 
-def test_abort_on_the_pe_releases_the_ce_reservation(ce):
+@pytest.mark.parametrize("pe_thread", ["1", "0"])
+def test_abort_on_the_pe_releases_the_ce_reservation(ce, monkeypatch, pe_thread):
+    """The PE's notice reaches the CE also when no progress thread sends it: then the PE's loop
+    turns (`poll_handoffs`) drive it out, here on a connection no transfer has used yet."""
+    monkeypatch.setattr(envs, "DEEPINFER_NIXL_PROGRESS_THREAD", pe_thread)
     pe = local_pe()
+    assert pe.agent.progress_thread is (pe_thread == "1")
     target = reserve(ce, "gone", [1, 2, 3, 4], greedy(4))
     pe.add_prefill("gone", target, greedy(4), [1, 2, 3, 4])
     ce.call("abort", "gone")
     pe.abort_request("gone")
     assert not pe.has_unfinished_requests()
-    assert wait_free_blocks(ce, N, timeout_s=0.9) == N
+    deadline = time.monotonic() + 0.9
+    while ce.call("stats")["free_blocks"] != N and time.monotonic() < deadline:
+        pe.poll_handoffs()  # an idle PE's engine loop turn
+        time.sleep(0.01)
+    assert ce.call("stats")["free_blocks"] == N
 
 
 def test_reservation_over_capacity_is_refused_clearly(ce):

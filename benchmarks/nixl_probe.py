@@ -73,6 +73,12 @@ def main() -> None:
     ap.add_argument("--op", choices=["WRITE", "READ"], default="WRITE")
     ap.add_argument("--concurrent", type=int, default=4, help="transfers a prepN variant splits the payload into")
     ap.add_argument(
+        "--device-trace",
+        action="store_true",
+        help="record one prepared WRITE of each size (and the copy) with the CUDA profiler and print the "
+        "device copies they ran: how many, their bytes and device time",
+    )
+    ap.add_argument(
         "--initiator-thread",
         choices=["on", "off"],
         default="on",
@@ -159,6 +165,8 @@ def main() -> None:
             variants = [(f"init/{tag}", make_init), (f"prep/{tag}", make_prep)]
             if args.concurrent > 1 and len(idx) > 1:
                 variants.append((f"prep{args.concurrent}/{tag}", make_prep_n))
+            if args.device_trace and tag == "whole":
+                device_trace(lambda make=make_prep: run_once(make), ref_dst, src, total, args)
             for name, make in variants:
                 run_once(make)  # warm-up (first use of a region maps it on the peer)
                 runs = [run_once(make) for _ in range(args.reps)]
@@ -174,6 +182,40 @@ def main() -> None:
             agent.release_dlist_handle(rp)
     parent.send("done")
     proc.join(timeout=10)
+
+
+def device_trace(write, ref_dst, src, total: int, args) -> None:
+    """One WRITE and one plain copy under the CUDA profiler (process-wide: it also sees the copies
+    UCX issues): device time against wall time tells the transport's copy from its host-side costs."""
+    import json
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    write()  # warm-up outside the trace
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for name, fn in (("write", write), ("copy", lambda: ref_dst[:total].copy_(src[:total]))):
+            _sync(args.src, args.dst)
+            with record_function(name):
+                fn()
+                _sync(args.src, args.dst)
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        events = json.load(open(f.name))["traceEvents"]
+    for name in ("write", "copy"):
+        span = next(e for e in events if e.get("cat") == "user_annotation" and e["name"] == name)
+        t0, t1 = span["ts"], span["ts"] + span["dur"]
+        copies = [e for e in events if e.get("cat") == "gpu_memcpy" and t0 <= e["ts"] <= t1]
+        if not copies:
+            print(f"# trace {name}: no device copies recorded (host memory?)")
+            continue
+        busy = sum(e["dur"] for e in copies)
+        moved = sum(e["args"].get("bytes", 0) for e in copies)
+        print(
+            f"# trace {name} {total / MiB:.0f} MiB: {len(copies)} device copies, {moved / MiB:.0f} MiB, "
+            f"device time {busy / 1e3:.3f} ms ({moved / busy / 1e3:.1f} GB/s), span with host sync {span['dur'] / 1e3:.3f} ms",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

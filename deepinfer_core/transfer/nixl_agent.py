@@ -21,9 +21,9 @@ handshake and notices at once, which a poll between the receiver's steps would d
 a turn (measured: a 256 MiB WRITE took 2.2 ms instead of 1.0 ms with an idle receiver polling
 every 2 ms). A sending agent of a GPU cache runs without one, since it polls while it waits
 for its writes anyway, and the thread competes with that: two H200s, UCX's CUDA-IPC transport,
-a sender with NIXL's thread spinning (its Python default) kept each finished 1 GiB WRITE's
-device busy another ~1.3 ms, and back-to-back WRITEs took 3.8-4.0 ms against 2.77 ms without
-the thread (a peer-to-peer `copy_`: 2.75-2.87 ms). With the pause the engines set the cost is
+with NIXL's thread spinning in the sender (its Python default) a device sync after a finished
+1 GiB WRITE still waited ~1.4 ms, and back-to-back WRITEs took 3.8-4.0 ms against 2.77 ms
+without the thread (a peer-to-peer `copy_`: 2.75-2.87 ms). With the pause the engines set the cost is
 within run-to-run noise, but nothing is gained by the thread there.
 """
 
@@ -272,7 +272,7 @@ class NixlKVAgent:
     # ---- control plane -----------------------------------------------------------------------
     def send_notif(self, peer: str, message: bytes) -> None:
         self._agent.send_notif(peer, message)
-        self.progress()  # a notice the transport could not send at once goes out now
+        self.progress()  # one round for a notice the transport could not send at once; loop turns do the rest
 
     def get_notifs(self) -> list[tuple[str, bytes]]:
         self._read_notifs()

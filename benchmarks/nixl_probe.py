@@ -201,7 +201,8 @@ def device_trace(write, ref_dst, src, total: int, args) -> None:
                 _sync(args.src, args.dst)
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         prof.export_chrome_trace(f.name)
-        events = json.load(open(f.name))["traceEvents"]
+        with open(f.name) as trace:
+            events = json.load(trace)["traceEvents"]
     for name in ("write", "copy"):
         span = next(e for e in events if e.get("cat") == "user_annotation" and e["name"] == name)
         t0, t1 = span["ts"], span["ts"] + span["dur"]

@@ -2,8 +2,11 @@
 same bytes, and the hand-off's share of time-to-first-token — measured side by side in one run.
 
 The PE runs in this process, the CE in another (as deployed: transfers always cross processes).
-"plane": one WRITE posted and waited back to back; "hand-off": posting to DONE inside a real
-prefill step (sampling and output processing run in between, so it includes their time).
+"plane": one WRITE made, posted and waited back to back, "ratio" = copy time / plane time;
+"posted" = the same ratio from posting on (a PE makes its hand-offs' requests while the forward
+runs, so posting to DONE is what follows the forward). "hand-off": first post to DONE inside a
+real prefill step (with layer groups, the first group goes out while later layers compute, and
+sampling and output processing run in between, so it includes their time).
 
     python benchmarks/kv_transfer.py                          # CPU: DRAM -> DRAM over UCX loopback
     python benchmarks/kv_transfer.py --pe-device cuda:0 --ce-device cuda:1   # two GPUs, VRAM -> VRAM
@@ -100,15 +103,17 @@ def handoff(pe: PromptEngine, ce: EngineProcess, rid: str, prompt: list[int]) ->
     return elapsed, results[0]
 
 
-def raw_write(pe: PromptEngine, ce: EngineProcess, rid: str, num_tokens: int) -> tuple[float, int]:
-    """The plane alone: one WRITE of num_tokens' blocks into a CE reservation, posted and waited
-    back to back (no forward, no sampling in between). Returns (seconds, bytes)."""
+def raw_write(pe: PromptEngine, ce: EngineProcess, rid: str, num_tokens: int) -> tuple[float, float, int]:
+    """The plane alone: one WRITE of num_tokens' blocks into a CE reservation, made, posted and
+    waited back to back (no forward, no sampling in between). Returns (seconds from making the
+    request, seconds from posting it, bytes): a PE makes its hand-offs' requests while the
+    forward runs, so the second is what a hand-off's posting adds after the forward."""
     params = SamplingParams(temperature=0, max_tokens=1)
     target = KVTarget.from_bytes(ce.call("reserve", rid, params, [1] * num_tokens, 600.0))
     nblocks = pe.scheduler.block_manager.blocks_needed(num_tokens)
     local = list(range(nblocks))  # any PE blocks: only the bytes moved matter here
     t = time.perf_counter()
-    transfer = pe.agent.write_blocks(
+    write = pe.agent.prepare_write(
         target.engine_id,
         local,
         target.base_addr,
@@ -117,11 +122,12 @@ def raw_write(pe: PromptEngine, ce: EngineProcess, rid: str, num_tokens: int) ->
         target.device_id,
         target.mem_type,
     )
-    pe.agent.wait(transfer, 60.0)
-    elapsed = time.perf_counter() - t
+    posted = time.perf_counter()
+    pe.agent.wait(pe.agent.post(write), 60.0)
+    end = time.perf_counter()
     # end the reservation the way a failed hand-off does: the CE frees its blocks at once
     pe.agent.send_notif(target.engine_id, HandoffNotice(request_id=rid, ok=False, error="benchmark").to_bytes())
-    return elapsed, transfer.num_bytes
+    return end - t, end - posted, write.num_bytes
 
 
 def engines(args, path: str, dtype: str, max_len: int, block_size: int, chunk: int = 0):
@@ -173,28 +179,30 @@ def main() -> None:
     if args.chunk or args.layer_groups:
         return side_by_side(args, dtype, max_len, path)
     print(
-        f"{'block':>5} {'tokens':>6} {'MiB':>7} {'plane GB/s':>10} {'copy GB/s':>9} {'ratio':>6} "
-        f"{'hand-off ms':>11} {'TTFT NORMAL ms':>14} {'TTFT P/D ms':>11} {'hand-off %':>10}"
+        f"{'block':>5} {'tokens':>6} {'MiB':>7} {'plane GB/s':>10} {'copy GB/s':>9} {'ratio':>6} {'posted':>6} "
+        f"{'hand-off ms':>11} {'exposed ms':>10} {'TTFT NORMAL ms':>14} {'TTFT P/D ms':>11} {'exposed %':>9}"
     )
     for block_size in args.block_sizes:
         ce, pe, normal = engines(args, path, dtype, max_len, block_size)
         for n in args.lengths:
             prompt = torch.randint(0, 1000, (n,), generator=torch.Generator().manual_seed(n)).tolist()
-            pd_t, xfer_t, nbytes, normal_t = [], [], 0, []
+            pd_t, xfer_t, exposed_t, nbytes, normal_t = [], [], [], 0, []
             for r in range(args.reps):
                 seconds, result = handoff(pe, ce, f"b{block_size}-{n}-{r}", prompt)
                 pd_t.append(seconds)
                 xfer_t.append(result.seconds)
+                exposed_t.append(result.exposed_seconds)
                 nbytes = result.num_bytes
                 normal_t.append(normal_ttft(normal, f"n{block_size}-{n}-{r}", prompt))
-            xfer = statistics.median(xfer_t)
-            plane = statistics.median(raw_write(pe, ce, f"raw{block_size}-{n}-{r}", n)[0] for r in range(args.reps))
+            raw = [raw_write(pe, ce, f"raw{block_size}-{n}-{r}", n) for r in range(args.reps)]
+            plane, posted = statistics.median(w[0] for w in raw), statistics.median(w[1] for w in raw)
             copy = copy_reference(nbytes, args.pe_device, args.ce_device)
+            xfer, exposed = statistics.median(xfer_t), statistics.median(exposed_t)
             pd, nt = statistics.median(pd_t), statistics.median(normal_t)
             print(
                 f"{block_size:>5} {n:>6} {nbytes / 2**20:>7.1f} {nbytes / plane / 1e9:>10.2f} "
-                f"{nbytes / copy / 1e9:>9.2f} {copy / plane:>6.2f} {xfer * 1e3:>11.2f} {nt * 1e3:>14.1f} "
-                f"{pd * 1e3:>11.1f} {100 * xfer / pd:>9.1f}%"
+                f"{nbytes / copy / 1e9:>9.2f} {copy / plane:>6.2f} {copy / posted:>6.2f} {xfer * 1e3:>11.2f} "
+                f"{exposed * 1e3:>10.2f} {nt * 1e3:>14.1f} {pd * 1e3:>11.1f} {100 * exposed / pd:>8.1f}%"
             )
         ce.close()
         del pe, normal

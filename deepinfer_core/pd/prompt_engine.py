@@ -33,7 +33,7 @@ from deepinfer_core.scheduler.outputs import SchedulerOutputs
 from deepinfer_core.sequence import Sequence
 from deepinfer_core.transfer.layout import KVLayout
 from deepinfer_core.transfer.messages import HandoffNotice, KVRegion, KVTarget
-from deepinfer_core.transfer.nixl_agent import NixlKVAgent, Transfer, TransferError
+from deepinfer_core.transfer.nixl_agent import NixlKVAgent, PreparedWrite, Transfer, TransferError
 
 logger = logging.getLogger(__name__)
 
@@ -196,41 +196,43 @@ class PromptEngine(LLMEngine):
 
     def _post_handoffs(self) -> None:
         """Post the rest of each finished prompt's blocks. With layer groups, group g goes out as
-        soon as the forward has written its layers' KV, while the later layers still compute."""
+        soon as the forward has written its layers' KV, while the later layers still compute.
+        Every write's request is made first, while the forward still runs (its launches are
+        asynchronous), so that only the posts remain on time-to-first-token."""
         bm = self.scheduler.block_manager
         pending = [
             self._streams.pop(s.request_id, None) or _Pending(s, self.targets[s.request_id]) for s in self._handoff
         ]
         upto = [bm.blocks_needed(len(p.seq)) for p in pending]
         events = self.worker.runner.layer_events
-        groups = self._layer_groups if events is not None and len(events) == self.layout.num_layers else []
+        groups = self._layer_groups if events is not None and len(events) == self.layout.num_layers else [None]
+        prepared = [[self._prepare(p, n, layers) for p, n in zip(pending, upto)] for layers in groups]
         for g, layers in enumerate(groups):
-            if events[layers.stop - 1] is not None:
+            if layers is None:
+                self.worker.runner.wait_forward()  # the WRITE reads KV the forward has just produced
+            elif events[layers.stop - 1] is not None:
                 events[layers.stop - 1].synchronize()  # the KV of these layers is in the cache
             last = g == len(groups) - 1
-            for p, n in zip(pending, upto):
+            for p, n, write in zip(pending, upto, prepared[g]):
                 if last:  # the forward is done: from here on the hand-off adds to TTFT
                     p.last_post = time.monotonic()
-                self._post(p, n, layers, advance=last)
-        if not groups:
-            self.worker.runner.wait_forward()  # the WRITE reads KV the forward has just produced
-            for p, n in zip(pending, upto):
-                p.last_post = time.monotonic()
-                self._post(p, n)
+                self._submit(p, write, n, advance=last)
         self._inflight.extend(pending)
 
     def _post(self, pending: _Pending, upto: int, layers: Optional[range] = None, advance: bool = True) -> None:
         """Post a WRITE of blocks [sent_blocks, upto) of the request's table (of `layers`, default
         all) into the same CE blocks; `advance`: those blocks are then sent (every layer group is)."""
+        self._submit(pending, self._prepare(pending, upto, layers), upto, advance)
+
+    def _prepare(self, pending: _Pending, upto: int, layers: Optional[range]) -> Optional[PreparedWrite]:
+        """The request of `_post`'s WRITE, made but not posted; None when there is nothing to send
+        or the request has failed (its error recorded)."""
         target = pending.target
-        if pending.error is not None or upto <= pending.sent_blocks:
-            return
-        if target.expires_at and time.time() > target.expires_at:
-            pending.error = "the KV reservation expired before the prefill finished"
-            return
+        if pending.error is not None or upto <= pending.sent_blocks or self._expired(pending):
+            return None
         first, blocks = pending.sent_blocks, pending.seq.block_table
         try:
-            transfer = self.agent.write_blocks(
+            return self.agent.prepare_write(
                 target.engine_id,
                 blocks[first:upto],
                 target.base_addr,
@@ -240,12 +242,31 @@ class PromptEngine(LLMEngine):
                 target.mem_type,
                 layers=layers,
             )
+        except Exception as e:  # an unknown or vanished peer
+            pending.error = str(e)
+            return None
+
+    def _submit(self, pending: _Pending, write: Optional[PreparedWrite], upto: int, advance: bool) -> None:
+        if write is None:
+            return
+        if pending.error is not None or self._expired(pending):  # an earlier group failed, or the lease ran out
+            self.agent.discard(write)
+            return
+        try:
+            transfer = self.agent.post(write)
         except Exception as e:  # a dead peer can fail at post time
             pending.error = str(e)
             return
         pending.transfers.append(transfer)
         pending.sent_blocks = upto if advance else pending.sent_blocks
         pending.first_post = pending.first_post or transfer.started
+
+    @staticmethod
+    def _expired(pending: _Pending) -> bool:
+        if pending.target.expires_at and time.time() > pending.target.expires_at:
+            pending.error = pending.error or "the KV reservation expired before the prefill finished"
+            return True
+        return False
 
     def _wait_all(self, pending: _Pending) -> None:
         """Wait for every posted write of the request; the first failure is its error."""

@@ -64,3 +64,27 @@ def test_a_peer_without_its_region_is_prepared_at_the_first_write(agents):
     )
     writer.remove_peer(old_ce.name)
     assert writer.num_remote_lists == 0
+
+
+def test_a_prepared_write_reads_the_blocks_when_posted_and_is_spent_once(agents):
+    """A PE prepares while the forward still writes the blocks: the data sent is what the
+    buffer holds at `post`, and a request posts (or is discarded) once."""
+    writer, ce, _, _ = agents
+    writer.add_peer(ce.name, ce.metadata, ce.region)
+    r = ce.region
+    write = writer.prepare_write(ce.name, [2, 4], r.base_addr, r.num_blocks_total, [1, 3], layers=range(1, 2))
+    assert write.num_bytes == 2 * writer.layout.block_bytes  # one layer of two blocks
+    writer.buffer[1, 2].fill_(-7.0)  # written after the request was made, before it is posted
+    writer.wait(writer.post(write), 10)
+    assert torch.equal(ce.buffer[1, 1], torch.full((4, 2), -7.0)) and torch.equal(ce.buffer[1, 3], writer.buffer[1, 4])
+    assert not ce.buffer[0].any()  # the other layer was not part of the write
+    with pytest.raises(TransferError, match="posted twice"):
+        writer.post(write)
+    spare = writer.prepare_write(ce.name, [5], r.base_addr, r.num_blocks_total, [2])
+    writer.discard(spare)
+    writer.discard(spare)  # idempotent
+    with pytest.raises(TransferError, match="after discard"):
+        writer.post(spare)
+    assert not ce.buffer[:, 2].any()  # a discarded request moves nothing
+    with pytest.raises(TransferError, match="only 1 reserved"):
+        writer.prepare_write(ce.name, [1, 2], r.base_addr, r.num_blocks_total, [0])

@@ -144,8 +144,8 @@ def test_lease_expiring_between_chunks_stops_the_stream_and_releases_the_quarant
     prompt = list(range(1, 70))
     pe = local_pe(chunked_prefill=True, max_num_batched_tokens=24)
     free0 = pe.scheduler.block_manager.num_free_blocks
-    writes, real = [], pe.agent.write_blocks
-    monkeypatch.setattr(pe.agent, "write_blocks", lambda *a, **kw: writes.append(a) or real(*a, **kw))
+    writes, real = [], pe.agent.prepare_write
+    monkeypatch.setattr(pe.agent, "prepare_write", lambda *a, **kw: writes.append(a) or real(*a, **kw))
     pe.add_prefill("late-chunks", reserve(ce, "late-chunks", prompt, greedy(4), lease_s=1.0), greedy(4), prompt)
     pe.step()  # the first chunk; its blocks would go out with the next step
     time.sleep(1.2)  # the lease ends before they do

@@ -142,10 +142,10 @@ def test_registration_prepares_the_ce_descriptors_so_no_hand_off_does(ce, monkey
 
 
 def _record_writes(pe, monkeypatch) -> list[list[int]]:
-    writes, real = [], pe.agent.write_blocks
+    writes, real = [], pe.agent.prepare_write
     monkeypatch.setattr(
         pe.agent,
-        "write_blocks",
+        "prepare_write",
         lambda peer, local, *a, **kw: writes.append(list(local)) or real(peer, local, *a, **kw),
     )
     return writes
@@ -217,13 +217,20 @@ def test_the_hand_off_goes_out_in_layer_groups_each_after_its_layers_are_written
         return made[-1]
 
     monkeypatch.setattr(decoder, "_queue_event", queue_event)
-    real = pe.agent.write_blocks
+    real_prepare, real_post = pe.agent.prepare_write, pe.agent.post
 
-    def write(peer, local, *a, layers=None):
-        log.append(("post", len(local), (layers.start, layers.stop) if layers is not None else None))
-        return real(peer, local, *a, layers=layers)
+    def prepare(peer, local, *a, layers=None):
+        log.append(("prepare", len(local), (layers.start, layers.stop) if layers is not None else None))
+        write = real_prepare(peer, local, *a, layers=layers)
+        write.log_as = log[-1][1:]
+        return write
 
-    monkeypatch.setattr(pe.agent, "write_blocks", write)
+    def post(write):
+        log.append(("post", *write.log_as))
+        return real_post(write)
+
+    monkeypatch.setattr(pe.agent, "prepare_write", prepare)
+    monkeypatch.setattr(pe.agent, "post", post)
     prompt = list(range(1, 70))  # chunks of 24, 24, 21 tokens; 9 blocks of 8
     ids, results = _handoff(pe, ce, [prompt])
     (r,) = results
@@ -231,8 +238,16 @@ def test_the_hand_off_goes_out_in_layer_groups_each_after_its_layers_are_written
     posts = [e for e in log if e[0] == "post"]
     # chunks 1 and 2: all layers at once; the last chunk: layers [0, 2) once layer 1 is written, then [2, 3)
     assert posts == [("post", 3, None), ("post", 3, None), ("post", 3, (0, 2)), ("post", 3, (2, 3))]
+    # both groups' requests are made before the PE waits for the first layer event, while the forward runs
     tail = log[max(i for i, e in enumerate(log) if e == ("post", 3, None)) + 1 :]
-    assert tail == [("wait", 1), ("post", 3, (0, 2)), ("wait", 2), ("post", 3, (2, 3))]
+    assert tail == [
+        ("prepare", 3, (0, 2)),
+        ("prepare", 3, (2, 3)),
+        ("wait", 1),
+        ("post", 3, (0, 2)),
+        ("wait", 2),
+        ("post", 3, (2, 3)),
+    ]
     assert all(pe.inflight_blocks_owned) and pe.scheduler.block_manager.num_free_blocks == free0
     out = wait_ce(ce, ids)[ids[0]].outputs[0].token_ids
     assert out == normal_reference([prompt], greedy(6))[0]

@@ -11,6 +11,7 @@ sampling and output processing run in between, so it includes their time).
     python benchmarks/kv_transfer.py                          # CPU: DRAM -> DRAM over UCX loopback
     python benchmarks/kv_transfer.py --pe-device cuda:0 --ce-device cuda:1   # two GPUs, VRAM -> VRAM
     python benchmarks/kv_transfer.py ... --chunk 4096   # chunked prefill: streamed vs whole hand-off
+    python benchmarks/kv_transfer.py ... --posting      # a raw write's request, post and wait
 
 With `--chunk N` the PE (and the NORMAL reference) prefill in chunks of N tokens, and each prompt
 is handed off twice side by side: with each chunk's full blocks written while the next chunk
@@ -103,11 +104,12 @@ def handoff(pe: PromptEngine, ce: EngineProcess, rid: str, prompt: list[int]) ->
     return elapsed, results[0]
 
 
-def raw_write(pe: PromptEngine, ce: EngineProcess, rid: str, num_tokens: int) -> tuple[float, float, int]:
+def raw_write(pe: PromptEngine, ce: EngineProcess, rid: str, num_tokens: int) -> tuple[float, float, int, float]:
     """The plane alone: one WRITE of num_tokens' blocks into a CE reservation, made, posted and
     waited back to back (no forward, no sampling in between). Returns (seconds from making the
-    request, seconds from posting it, bytes): a PE makes its hand-offs' requests while the
-    forward runs, so the second is what a hand-off's posting adds after the forward."""
+    request, seconds from posting it, bytes, seconds the post call took): a PE makes its
+    hand-offs' requests while the forward runs, so the second is what a hand-off's posting adds
+    after the forward."""
     params = SamplingParams(temperature=0, max_tokens=1)
     target = KVTarget.from_bytes(ce.call("reserve", rid, params, [1] * num_tokens, 600.0))
     nblocks = pe.scheduler.block_manager.blocks_needed(num_tokens)
@@ -123,11 +125,13 @@ def raw_write(pe: PromptEngine, ce: EngineProcess, rid: str, num_tokens: int) ->
         target.mem_type,
     )
     posted = time.perf_counter()
-    pe.agent.wait(pe.agent.post(write), 60.0)
+    transfer = pe.agent.post(write)
+    post_call = time.perf_counter() - posted
+    pe.agent.wait(transfer, 60.0)
     end = time.perf_counter()
     # end the reservation the way a failed hand-off does: the CE frees its blocks at once
     pe.agent.send_notif(target.engine_id, HandoffNotice(request_id=rid, ok=False, error="benchmark").to_bytes())
-    return end - t, end - posted, write.num_bytes
+    return end - t, end - posted, transfer.num_bytes, post_call
 
 
 def engines(args, path: str, dtype: str, max_len: int, block_size: int, chunk: int = 0):
@@ -170,6 +174,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--chunk", type=int, default=0, help="chunked prefill of this many tokens (0: one pass)")
     ap.add_argument("--layer-groups", type=int, default=0, help="compare one write with this many layer groups")
+    ap.add_argument("--posting", action="store_true", help="where a raw write's time goes: request, post, wait")
     args = ap.parse_args()
     dtype = "bfloat16" if args.pe_device.startswith("cuda") else "float32"
     max_len = max(args.lengths) + 16
@@ -178,6 +183,8 @@ def main() -> None:
     print(f"PE {args.pe_device} -> CE {args.ce_device}, {dtype}, model layers=16 kv_heads=8 head_dim=128")
     if args.chunk or args.layer_groups:
         return side_by_side(args, dtype, max_len, path)
+    if args.posting:
+        return posting(args, dtype, max_len, path)
     print(
         f"{'block':>5} {'tokens':>6} {'MiB':>7} {'plane GB/s':>10} {'copy GB/s':>9} {'ratio':>6} {'posted':>6} "
         f"{'hand-off ms':>11} {'exposed ms':>10} {'TTFT NORMAL ms':>14} {'TTFT P/D ms':>11} {'exposed %':>9}"
@@ -207,6 +214,29 @@ def main() -> None:
         ce.close()
         del pe, normal
     shutil.rmtree(path, ignore_errors=True)
+
+
+def posting(args, dtype: str, max_len: int, path: str) -> None:
+    """Raw writes only, split into making the request (`prepare_write`), the post call and the wait
+    for DONE, against a plain copy of the same bytes. Medians of `--reps` after one warm-up write."""
+    print(
+        f"{'block':>5} {'tokens':>6} {'MiB':>7} {'request us':>10} {'post us':>8} {'wait us':>8} {'copy us':>8} "
+        f"{'posted':>6} {'with request':>12}"
+    )
+    for block_size in args.block_sizes:
+        ce, pe, normal = engines(args, path, dtype, max_len, block_size)
+        for n in args.lengths:
+            raw = [raw_write(pe, ce, f"post{block_size}-{n}-{r}", n) for r in range(args.reps + 1)][1:]
+            whole, posted = statistics.median(w[0] for w in raw), statistics.median(w[1] for w in raw)
+            post_call, nbytes = statistics.median(w[3] for w in raw), raw[0][2]
+            request = statistics.median(w[0] - w[1] for w in raw)
+            copy = copy_reference(nbytes, args.pe_device, args.ce_device)
+            print(
+                f"{block_size:>5} {n:>6} {nbytes / 2**20:>7.1f} {request * 1e6:>10.0f} {post_call * 1e6:>8.0f} "
+                f"{(posted - post_call) * 1e6:>8.0f} {copy * 1e6:>8.0f} {copy / posted:>6.2f} {copy / whole:>12.2f}"
+            )
+        ce.close()
+        del pe, normal
 
 
 def side_by_side(args, dtype: str, max_len: int, path: str) -> None:

@@ -205,18 +205,22 @@ class PromptEngine(LLMEngine):
         ]
         upto = [bm.blocks_needed(len(p.seq)) for p in pending]
         events = self.worker.runner.layer_events
-        groups = self._layer_groups if events is not None and len(events) == self.layout.num_layers else [None]
+        groups = (self._layer_groups if events is not None and len(events) == self.layout.num_layers else []) or [None]
         prepared = [[self._prepare(p, n, layers) for p, n in zip(pending, upto)] for layers in groups]
-        for g, layers in enumerate(groups):
-            if layers is None:
-                self.worker.runner.wait_forward()  # the WRITE reads KV the forward has just produced
-            elif events[layers.stop - 1] is not None:
-                events[layers.stop - 1].synchronize()  # the KV of these layers is in the cache
-            last = g == len(groups) - 1
-            for p, n, write in zip(pending, upto, prepared[g]):
-                if last:  # the forward is done: from here on the hand-off adds to TTFT
-                    p.last_post = time.monotonic()
-                self._submit(p, write, n, advance=last)
+        try:
+            for g, layers in enumerate(groups):
+                if layers is None:
+                    self.worker.runner.wait_forward()  # the WRITE reads KV the forward has just produced
+                elif events[layers.stop - 1] is not None:
+                    events[layers.stop - 1].synchronize()  # the KV of these layers is in the cache
+                last = g == len(groups) - 1
+                for p, n, write in zip(pending, upto, prepared[g]):
+                    if last:  # the forward is done: from here on the hand-off adds to TTFT
+                        p.last_post = time.monotonic()
+                    self._submit(p, write, n, advance=last)
+        finally:  # a failed forward leaves requests unposted: NIXL must not keep them
+            for write in (w for group in prepared for w in group if w is not None):
+                self.agent.discard(write)
         self._inflight.extend(pending)
 
     def _post(self, pending: _Pending, upto: int, layers: Optional[range] = None, advance: bool = True) -> None:

@@ -208,3 +208,21 @@ def test_fingerprint_covers_the_language_model_inside_a_multimodal_config():
     other = {**base, "text_config": {"hidden_size": 128, "kv_lora_rank": 64}}
     assert KVLayout.of(base, buf, 8).fingerprint != KVLayout.of(other, buf, 8).fingerprint
     assert KVLayout.of(base, buf, 8).fingerprint == KVLayout.of(dict(base), buf, 8).fingerprint
+
+
+def test_a_forward_that_fails_after_the_requests_were_made_releases_them(ce, monkeypatch):
+    """A PE makes its hand-off writes' requests before the forward is known to be done: if the
+    forward then fails, the requests go back to NIXL instead of staying with the agent."""
+    pe = local_pe()
+    discarded, real = [], pe.agent.discard
+    monkeypatch.setattr(pe.agent, "discard", lambda write: discarded.append(write.handle is not None) or real(write))
+
+    def device_lost():
+        raise RuntimeError("device lost")
+
+    monkeypatch.setattr(pe.worker.runner, "wait_forward", device_lost)
+    prompt = list(range(1, 20))
+    pe.add_prefill("lost", reserve(ce, "lost", prompt, greedy(4)), greedy(4), prompt)
+    with pytest.raises(RuntimeError, match="device lost"):
+        pe.step()
+    assert discarded == [True]  # the one prepared write, released unposted

@@ -190,31 +190,10 @@ class NixlKVAgent:
         return handle
 
     # ---- data plane ------------------------------------------------------------------------
-    def write_blocks(
-        self,
-        peer: str,
-        local_blocks: list[int],
-        remote_base: int,
-        remote_num_blocks_total: int,
-        remote_blocks: list[int],
-        remote_device_id: int = 0,
-        remote_mem_type: str | None = None,
-        layers: range | None = None,
-    ) -> Transfer:
+    def write_blocks(self, *args, **kwargs) -> Transfer:
         """Post a WRITE of `local_blocks` (of `layers`, default all) into the peer's `remote_blocks`;
-        does not wait. `prepare_write` + `post` in one call."""
-        return self.post(
-            self.prepare_write(
-                peer,
-                local_blocks,
-                remote_base,
-                remote_num_blocks_total,
-                remote_blocks,
-                remote_device_id,
-                remote_mem_type,
-                layers,
-            )
-        )
+        does not wait. `prepare_write` (same arguments) and `post` in one call."""
+        return self.post(self.prepare_write(*args, **kwargs))
 
     def prepare_write(
         self,

@@ -187,7 +187,8 @@ class Checker:
     def mla_decode_hopper(self) -> None:
         """The sm_90 warp-group kernels at DeepSeek's latent dims: ragged lengths (tails inside a page,
         a 64-token block and a 128-token step), a partial head block, stale NaN past every sequence,
-        splits, page sizes 16, 8 and 64."""
+        splits, page sizes 16, 8, 64 and 128 (TMA boxes of a page, or of a block's piece of one), 4
+        and pages that are not back to back (no TMA: `cp.async` rows)."""
         lora, rope = 512, 64
         seq_lens = [1, 37, 300, 129, 64, 1000, 192]
         lens = torch.tensor(seq_lens, dtype=torch.int32, device=self.device)
@@ -196,18 +197,26 @@ class Checker:
         # 32, 20 and 16 heads (a tensor-parallel rank's share): tokens as the MMA's rows, 20 with padded
         # columns; 16 again with heads as rows, most of the tile's rows empty
         cases = [(128, "auto", 16), (80, "auto", 16), (32, "auto", 16), (20, "auto", 16), (16, "auto", 16),
-                 (16, "wgmma", 16), (128, "auto", 8), (128, "auto", 64), (16, "auto", 64)]  # fmt: skip
+                 (16, "wgmma", 16), (128, "auto", 8), (128, "auto", 64), (16, "auto", 64), (128, "auto", 128),
+                 (128, "auto", 4), (128, "auto", -16)]  # fmt: skip
         for H, kernel, page in cases:
+            apart, page = page < 0, abs(page)  # negative: each page followed by a page-sized gap
             num_blocks, bt = self.paged(seq_lens, page)
             bt = bt + 1
             cache = self.randn(num_blocks + 1, page, lora + rope)
             qn, qp = self.randn(len(seq_lens), H, lora), self.randn(len(seq_lens), H, rope)
             ref = mla_decode_attention_ref(qn.float(), qp.float(), cache.float(), bt, lens, scale)
             stale = _poison_unowned(cache.clone(), bt, seq_lens)
+            if apart:
+                spaced = torch.full((num_blocks + 1, 2 * page, lora + rope), float("nan"), device=self.device,
+                                    dtype=stale.dtype)  # fmt: skip
+                spaced[:, :page] = stale
+                stale = spaced[:, :page]
             for splits in (None, 1, 3):
                 out = impl.mla_decode_attention(qn, qp, stale, bt, lens, scale, num_splits=splits,
                                                 config={"kernel": kernel})  # fmt: skip
-                case = f"B={len(seq_lens)} H={H} page={page} splits={splits} sm_90 kernel={kernel}"
+                layout = ", pages apart" if apart else ""
+                case = f"B={len(seq_lens)} H={H} page={page}{layout} splits={splits} sm_90 kernel={kernel}"
                 self.record("mla_decode_attention", case, out, ref, self.tol())
 
     def moe_topk(self) -> None:

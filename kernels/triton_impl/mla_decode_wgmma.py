@@ -1,5 +1,5 @@
 """MLA decode attention for Hopper (sm_90), warp-specialised: two consumer warp groups that take
-turns on 128-token steps and a producer warp group that gathers the latent rows.
+turns on 128-token steps and two producer warps, one per buffer, that bring the latent rows.
 
 Same contract as `mla_decode.mla_decode_attention` (64 heads per program, split-KV partials merged
 by the caller). With 64 heads as the MMA's rows and 128 heads, this op is compute-bound. Two warp
@@ -13,9 +13,23 @@ softmax and the cross-group maximum. Here:
   in and publishes the step's maximum, group 0 rescales what it has already done;
 - each group keeps half of the output (256 of the 512 dims) and multiplies both blocks' P (its
   own and the other group's, the latter through shared memory) with its half of the values;
-- a producer group gathers the next step's rows by `cp.async`, each half of a buffer's columns as
-  soon as its last reader is done (mbarriers, no CTA-wide barrier in the loop), so loads and one
-  group's softmax run under the other group's tensor-core work.
+- two producer warps, one per buffer, bring the next step's rows by TMA (`cp.async` for a split's
+  partial last block, pages under 8 tokens and caches whose pages are not back to back), each half
+  of a buffer's columns as soon as its last reader is done (mbarriers, no CTA-wide barrier in the
+  loop), so loads and one group's softmax run under the other group's tensor-core work.
+
+What the loads cost. Each of the two programs of a sequence (64 heads each) reads every latent row,
+so at 128 heads a step moves 144 KiB from L2 into each multiprocessor's shared memory. At batch 64
+and 4k context on one H200, the loads alone (consumers that only wait and free) took 104-110 us and
+the consumers alone (no copies after the first step) 120 us; the kernel with one `cp.async`
+producer warp group took 158-166 us. Medians of variants timed side by side (pages of 16 / 64
+tokens):
+- TMA boxes of a page (at most 64 rows) x 64 columns instead of per-thread `cp.async`: 160.6
+  against 159.4 us / 143.6 against 158.4 us (a half is 4-5 boxes at 64-token pages, 16-20 at 16);
+- the rope columns travel with the half a block's scores start on (only the scores read them), so
+  the half freed last, at the end of a step, is the smaller one: 167.0 -> 160.7 / 149.5 -> 147.2;
+- one producer per buffer: with one producer, a half's refill waited behind the other buffer's,
+  freed in a different order: 160.7 -> 142.9 / 147.2 -> 144.0.
 
 Shared memory: Q 72 KiB + K0, K1 2 x 72 KiB + P0 8 KiB; P1 reuses Q's rope columns once both
 consumers hold them in registers. Registers: the loops index every buffer with an opaque 0
@@ -36,22 +50,25 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma,
     warpgroup_mma_wait,
 )
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from kernels.triton_impl.mla_sm90_common import _async_load, sm90_latent_operands
+from kernels.triton_impl.mla_sm90_common import _async_load, _tma_load, sm90_latent_operands
 
 BLOCK_H = 64
 BLOCK_N = 64  # tokens per block; a step is two blocks
-NUM_WARPS = 4  # the first consumer group; the second consumer and the producer are worker partitions
+NUM_WARPS = 4  # the first consumer group; the second consumer and the producers are worker partitions
 GROUP_THREADS = gl.constexpr(128)
 CONSUMER_REGS = gl.constexpr(232)
 PRODUCER_REGS = gl.constexpr(40)
-PRODUCER_WARPS = gl.constexpr(4)
+PRODUCER_WARPS = gl.constexpr(1)  # per buffer; a TMA box is issued by one thread
 
 # mbarrier slots
 # A buffer's columns come in two halves with their own barriers: the left half (latent dims
-# [0, 256)) and the right half (dims [256, 512) and the rope dims). Group 0 alone reads K0's left
-# half after its scores and group 1 alone K0's right half (and the other way round for K1), so each
-# half is refilled as soon as its last reader is done, while the rest of the step still runs.
+# [0, 256)) and the right half (dims [256, 512)). Group 0 alone reads K0's left half after its
+# scores and group 1 alone K0's right half (and the other way round for K1), so each half is
+# refilled as soon as its last reader is done, while the rest of the step still runs. Buffer b's
+# "early" half is half b: its reader frees it mid-step (K0 left by group 0's own P·V, K1 right by
+# group 1's), so the block's scores start there, and its rope columns travel with it.
 K_FULL = gl.constexpr(0)  # + 2 * buffer + half: the producer's rows have landed (one arrival per producer thread)
 K_EMPTY = gl.constexpr(4)  # + 2 * buffer + half: its last reader is done
 M0_READY = gl.constexpr(8)  # group 0 published its block's row maximum
@@ -70,24 +87,21 @@ RIGHT = gl.constexpr(1)
 
 @gluon.jit
 def _scores(qn_smem, qr, kbuf, krbuf, bars, buf: gl.constexpr, first: gl.constexpr, ph, s_layout: gl.constexpr):
-    """S = Q_nope · K_c^T + Q_rope · K_r^T for one 64-token block (Q's rope columns from registers),
-    the `first` column half as soon as it has landed, then the other."""
+    """S = Q_nope · K_c^T + Q_rope · K_r^T for one 64-token block (Q's rope columns from registers):
+    the `first` column half and the rope columns as soon as they have landed, then the other half."""
     BLOCK_H: gl.constexpr = qn_smem.shape[0]
     BLOCK_N: gl.constexpr = kbuf.shape[0]
     HALF: gl.constexpr = qn_smem.shape[1] // 2
     s = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=s_layout)
     mbarrier.wait(bars.index(K_FULL + 2 * buf + first), ph)
-    fence_async_shared()  # the producer's cp.async rows, for the tensor core's reads
+    fence_async_shared()  # rows the producer may have written by cp.async, for the tensor core's reads
     s = warpgroup_mma(qn_smem.slice(first * HALF, HALF, dim=1), kbuf.slice(first * HALF, HALF, dim=1).permute((1, 0)),
                       s, use_acc=False, is_async=True)  # fmt: skip
-    if first == RIGHT:
-        s = warpgroup_mma(qr, krbuf.permute((1, 0)), s, is_async=True)
+    s = warpgroup_mma(qr, krbuf.permute((1, 0)), s, is_async=True)  # the rope rows came with the first half
     mbarrier.wait(bars.index(K_FULL + 2 * buf + (1 - first)), ph)
     fence_async_shared()
     s = warpgroup_mma(qn_smem.slice((1 - first) * HALF, HALF, dim=1),
                       kbuf.slice((1 - first) * HALF, HALF, dim=1).permute((1, 0)), s, is_async=True)  # fmt: skip
-    if first == LEFT:
-        s = warpgroup_mma(qr, krbuf.permute((1, 0)), s, is_async=True)
     return warpgroup_mma_wait(num_outstanding=0, deps=(s,))
 
 
@@ -247,50 +261,90 @@ def _finish(acc, l_i, m_i, g: gl.constexpr, l_smem, bars, hb, NUM_HEADS, out_bas
 
 
 @gluon.jit
-def _producer(kc_smem, kr_smem, bars, cache_ptr, bt_row, start, end, n_steps, stride_cb, stride_cs,
-              PAGE: gl.constexpr):  # fmt: skip
-    """Gathers every step's two blocks (rows past `end` read zeros) into K0, K1 by cp.async."""
+def _producer(kc_smem, kr_smem, bars, cache_ptr, cache_desc, bt_row, start, end, n_steps, stride_cb, stride_cs,
+              PAGE: gl.constexpr, USE_TMA: gl.constexpr, buf: gl.constexpr):  # fmt: skip
+    """Buffer `buf`'s block of every step (rows past `end` read zeros): its early half first."""
     BLOCK_N: gl.constexpr = kc_smem.shape[1]
     for j in range(n_steps):
-        n0 = start + j * (2 * BLOCK_N)
-        # in the order the halves are freed: K0 left, K1 right, K0 right, K1 left
-        _load_half(kc_smem, kr_smem, bars, cache_ptr, bt_row, n0, end, j, stride_cb, stride_cs, 0, LEFT, PAGE)
-        _load_half(kc_smem, kr_smem, bars, cache_ptr, bt_row, n0, end, j, stride_cb, stride_cs, 1, RIGHT, PAGE)
-        _load_half(kc_smem, kr_smem, bars, cache_ptr, bt_row, n0, end, j, stride_cb, stride_cs, 0, RIGHT, PAGE)
-        _load_half(kc_smem, kr_smem, bars, cache_ptr, bt_row, n0, end, j, stride_cb, stride_cs, 1, LEFT, PAGE)
+        r0 = start + j * (2 * BLOCK_N) + buf * BLOCK_N
+        _load_half(kc_smem, kr_smem, bars, cache_ptr, cache_desc, bt_row, r0, end, j, stride_cb, stride_cs, buf, buf,
+                   PAGE, USE_TMA)  # fmt: skip
+        _load_half(kc_smem, kr_smem, bars, cache_ptr, cache_desc, bt_row, r0, end, j, stride_cb, stride_cs, buf, 1 - buf,
+                   PAGE, USE_TMA)  # fmt: skip
 
 
 @gluon.jit
-def _load_half(kc_smem, kr_smem, bars, cache_ptr, bt_row, n0, end, j, stride_cb, stride_cs, buf: gl.constexpr,
-               half: gl.constexpr, PAGE: gl.constexpr):  # fmt: skip
-    """Step j's rows of buffer `buf`, one column half, once its last reader has freed it."""
+def _load_half(kc_smem, kr_smem, bars, cache_ptr, cache_desc, bt_row, r0, end, j, stride_cb, stride_cs,
+               buf: gl.constexpr, half: gl.constexpr, PAGE: gl.constexpr, USE_TMA: gl.constexpr):  # fmt: skip
+    """Step j's rows [r0, r0 + BLOCK_N) into buffer `buf`, one column half (with the rope columns if it
+    is the buffer's early half), once its last reader has freed it."""
+    mbarrier.wait(bars.index(K_EMPTY + 2 * buf + half), (j & 1) ^ 1)
+    if USE_TMA:
+        if r0 + kc_smem.shape[1] <= end:
+            _tma_half(kc_smem, kr_smem, bars, cache_desc, bt_row, r0, buf, half, PAGE)
+        else:  # a split's partial last block: zeros past the end
+            _gather_half(kc_smem, kr_smem, bars, cache_ptr, bt_row, r0, end, stride_cb, stride_cs, buf, half, PAGE)
+    else:
+        _gather_half(kc_smem, kr_smem, bars, cache_ptr, bt_row, r0, end, stride_cb, stride_cs, buf, half, PAGE)
+
+
+@gluon.jit
+def _tma_half(kc_smem, kr_smem, bars, cache_desc, bt_row, r0, buf: gl.constexpr, half: gl.constexpr,
+              PAGE: gl.constexpr):  # fmt: skip
+    """A whole block's half by TMA, in boxes of ROWS rows (a page, or the block's piece of a longer
+    one) x 64 columns (128 bytes, the swizzle's width)."""
+    BLOCK_N: gl.constexpr = kc_smem.shape[1]
+    LORA: gl.constexpr = kc_smem.shape[2]
+    ROPE: gl.constexpr = kr_smem.shape[2]
+    HALF: gl.constexpr = LORA // 2
+    ROWS: gl.constexpr = PAGE if PAGE < BLOCK_N else BLOCK_N
+    NBYTES: gl.constexpr = BLOCK_N * (HALF + (half == buf) * ROPE) * (kc_smem.dtype.primitive_bitwidth // 8)
+    full = bars.index(K_FULL + 2 * buf + half)
+    mbarrier.expect(full, NBYTES)
+    mbarrier.arrive(full, count=PRODUCER_WARPS * 32 - 1)  # the barrier counts every producer thread
+    for p in gl.static_range(BLOCK_N // ROWS):
+        n = r0 + p * ROWS
+        row = gl.load(bt_row + n // PAGE) * PAGE + n % PAGE
+        for c in gl.static_range(HALF // 64):
+            _tma_load(cache_desc, [row, half * HALF + c * 64], full,
+                      kc_smem.index(buf).slice(half * HALF + c * 64, 64, dim=1).slice(p * ROWS, ROWS, dim=0))  # fmt: skip
+        if half == buf:
+            _tma_load(cache_desc, [row, LORA], full, kr_smem.index(buf).slice(p * ROWS, ROWS, dim=0))
+
+
+@gluon.jit
+def _gather_half(kc_smem, kr_smem, bars, cache_ptr, bt_row, r0, end, stride_cb, stride_cs, buf: gl.constexpr,
+                 half: gl.constexpr, PAGE: gl.constexpr):  # fmt: skip
+    """The same half by each producer thread's `cp.async` (rows past `end` read zeros)."""
     BLOCK_N: gl.constexpr = kc_smem.shape[1]
     LORA: gl.constexpr = kc_smem.shape[2]
     HALF: gl.constexpr = LORA // 2
-    CHUNK: gl.constexpr = 64  # columns per issue: few live addresses (the producer runs on few registers)
-    load_layout: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
-    offs_k = gl.arange(0, CHUNK, layout=gl.SliceLayout(0, load_layout))
-    mbarrier.wait(bars.index(K_EMPTY + 2 * buf + half), (j & 1) ^ 1)
-    offs_n = n0 + buf * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, load_layout))
-    nmask = (offs_n < end)[:, None]
-    page = gl.load(bt_row + offs_n // PAGE, mask=offs_n < end, other=0)
-    row = cache_ptr + page.to(gl.int64) * stride_cb + (offs_n % PAGE).to(gl.int64) * stride_cs
-    for c in gl.static_range(HALF // CHUNK):
-        _async_load(kc_smem.index(buf).slice(half * HALF + c * CHUNK, CHUNK, dim=1),
-                    row[:, None] + (half * HALF + c * CHUNK) + offs_k[None, :], mask=nmask)  # fmt: skip
-    if half == RIGHT:
-        _async_load(kr_smem.index(buf), row[:, None] + LORA + offs_k[None, :], mask=nmask)
+    # 16 rows x 64 columns per issue: few live addresses (the producer warp runs on 40 registers)
+    ROWS: gl.constexpr = 16
+    load_layout: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [PRODUCER_WARPS, 1], [1, 0])
+    offs_k = gl.arange(0, 64, layout=gl.SliceLayout(0, load_layout))
+    for rr in gl.static_range(BLOCK_N // ROWS):
+        offs_n = r0 + rr * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, load_layout))
+        nmask = (offs_n < end)[:, None]
+        page = gl.load(bt_row + offs_n // PAGE, mask=offs_n < end, other=0)
+        row = cache_ptr + page.to(gl.int64) * stride_cb + (offs_n % PAGE).to(gl.int64) * stride_cs
+        for c in gl.static_range(HALF // 64):
+            _async_load(kc_smem.index(buf).slice(half * HALF + c * 64, 64, dim=1).slice(rr * ROWS, ROWS, dim=0),
+                        row[:, None] + (half * HALF + c * 64) + offs_k[None, :], mask=nmask)  # fmt: skip
+        if half == buf:
+            _async_load(kr_smem.index(buf).slice(rr * ROWS, ROWS, dim=0), row[:, None] + LORA + offs_k[None, :],
+                        mask=nmask)  # fmt: skip
     cp.mbarrier_arrive(bars.index(K_FULL + 2 * buf + half), increment_count=False)
 
 
 @gluon.jit
 def _mla_decode_wgmma_kernel(
-    qn_ptr, qp_ptr, cache_ptr, bt_ptr, seq_lens_ptr, out_ptr, lse_ptr,
+    qn_ptr, qp_ptr, cache_ptr, cache_desc, bt_ptr, seq_lens_ptr, out_ptr, lse_ptr,
     stride_qnb, stride_qnh, stride_qpb, stride_qph, stride_cb, stride_cs, stride_btb,
     stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
     qk_scale, NUM_HEADS, num_splits,
     LORA: gl.constexpr, ROPE: gl.constexpr, PAGE: gl.constexpr,
-    BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, WRITE_LSE: gl.constexpr,
+    BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, WRITE_LSE: gl.constexpr, USE_TMA: gl.constexpr,
 ):  # fmt: skip
     gl.static_assert(ROPE == 64, "P1 reuses Q's rope columns: a [BLOCK_H, 64] buffer")
     gl.static_assert(BLOCK_N == 64)
@@ -328,7 +382,7 @@ def _mla_decode_wgmma_kernel(
     bars = gl.allocate_shared_memory(gl.int64, [NUM_BARRIERS, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(NUM_BARRIERS):
         if i < K_EMPTY:
-            mbarrier.init(bars.index(i), count=PRODUCER_WARPS * 32)  # each producer thread's cp.async
+            mbarrier.init(bars.index(i), count=PRODUCER_WARPS * 32)  # each producer thread (its cp.async)
         elif i == Q_READY:
             mbarrier.init(bars.index(i), count=GROUP_THREADS)
         elif i == L_READY:
@@ -348,10 +402,13 @@ def _mla_decode_wgmma_kernel(
                           lse_base, stride_lh, WRITE_LSE, s_layout, o_layout)),
             (_consumer1, (qn_smem, qp_smem, kc_smem, kr_smem, p0_smem, m_smem, l_smem, bars, NUM_HEADS, hb, start,
                           end, n_steps, qk_scale, out_base, stride_oh, s_layout, o_layout)),
-            (_producer, (kc_smem, kr_smem, bars, cache_ptr, bt_row, start, end, n_steps, stride_cb, stride_cs, PAGE)),
+            (_producer, (kc_smem, kr_smem, bars, cache_ptr, cache_desc, bt_row, start, end, n_steps, stride_cb, stride_cs,
+                         PAGE, USE_TMA, 0)),
+            (_producer, (kc_smem, kr_smem, bars, cache_ptr, cache_desc, bt_row, start, end, n_steps, stride_cb, stride_cs,
+                         PAGE, USE_TMA, 1)),
         ],
-        [4, PRODUCER_WARPS],
-        [CONSUMER_REGS, PRODUCER_REGS],
+        [4, PRODUCER_WARPS, PRODUCER_WARPS],
+        [CONSUMER_REGS, PRODUCER_REGS, PRODUCER_REGS],
     )  # fmt: skip
 
 
@@ -361,15 +418,28 @@ def supports(q_nope: torch.Tensor, q_pe: torch.Tensor, latent_cache: torch.Tenso
     return q_nope.shape[1] >= min_heads and sm90_latent_operands(q_nope, q_pe, latent_cache)
 
 
+def _rows_descriptor(latent_cache: torch.Tensor):
+    """A TMA descriptor over the cache as one [pages x page, 576] matrix, or None where TMA cannot read it
+    (pages not back to back, pages under 8 rows, a base not 16-byte aligned)."""
+    pages, page, width = latent_cache.shape
+    if page < 8 or latent_cache.stride(0) != page * latent_cache.stride(1) or latent_cache.data_ptr() % 16:
+        return None
+    rows = latent_cache.as_strided((pages * page, width), (latent_cache.stride(1), 1))
+    box = [min(page, BLOCK_N), 64]
+    dtype = gl.bfloat16 if latent_cache.dtype == torch.bfloat16 else gl.float16
+    return TensorDescriptor.from_tensor(rows, box, gl.NVMMASharedLayout.get_default_for(box, dtype))
+
+
 def launch(q_nope, q_pe, latent_cache, block_tables, seq_lens, qk_scale, o, o_strides, lse, lse_strides,
            num_splits: int) -> None:  # fmt: skip
     """Run the kernel into `o` (the output, or the split partials with `lse`)."""
     B, H, lora = q_nope.shape
+    desc = _rows_descriptor(latent_cache)
     _mla_decode_wgmma_kernel[(triton.cdiv(H, BLOCK_H), B, num_splits)](
-        q_nope, q_pe, latent_cache, block_tables, seq_lens, o, lse,
+        q_nope, q_pe, latent_cache, desc, block_tables, seq_lens, o, lse,
         q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1),
         latent_cache.stride(0), latent_cache.stride(1), block_tables.stride(0),
         *o_strides, *lse_strides, qk_scale, H, num_splits,
         LORA=lora, ROPE=q_pe.shape[-1], PAGE=latent_cache.shape[1], BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N,
-        WRITE_LSE=num_splits > 1, num_warps=NUM_WARPS,
+        WRITE_LSE=num_splits > 1, USE_TMA=desc is not None, num_warps=NUM_WARPS,
     )  # fmt: skip

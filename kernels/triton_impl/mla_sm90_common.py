@@ -7,10 +7,12 @@ import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
+from triton.experimental.gluon.language.nvidia.hopper import tma
 
-# Triton 3.6 names the cp.async gather `async_copy_global_to_shared` and the CTA barrier
-# `thread_barrier`; later releases `async_load` and `barrier`.
+# Triton 3.6 names the cp.async gather and the TMA load `async_copy_global_to_shared` and the CTA
+# barrier `thread_barrier`; later releases `async_load` and `barrier`.
 _async_load = getattr(cp, "async_load", None) or cp.async_copy_global_to_shared
+_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 
 

@@ -11,6 +11,10 @@ build them for sm_90 with the installed Triton and check what each kernel's desi
     16 or 32: no instruction carries padding rows.
 - Each fits one multiprocessor: shared memory within the 227 KiB an sm_90 block may have, and no
   register spills (a spill in the loop would cost more than the tiling saves).
+- The warp-specialised kernel brings whole blocks by TMA: per producer (one per buffer) and
+  128-token step, its block in boxes of one 16-token page x 64 columns: 4 pages x (8 latent + 1 rope)
+  = 36, so 72 in the kernel; without a TMA descriptor (pages under 8 tokens, pages not back to
+  back) it gathers by `cp.async` and issues none.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import pytest
 triton = pytest.importorskip("triton")
 try:
     from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
 
     from kernels.triton_impl import mla_decode_wgmma, mla_decode_wgmma_narrow
@@ -37,41 +42,58 @@ STRIDES = ("stride_qnb", "stride_qnh", "stride_qpb", "stride_qph", "stride_cb", 
 
 
 HEADS_AS_ROWS = {"m64n64k16": 72, "m64n256k16": 16}
-# name: (module, kernel, heads per tile, split partials, instruction shape -> count, stack bytes allowed).
-# The warp-specialised kernel may keep a few set-up values on the stack (24 bytes with Triton 3.9,
-# none with 3.6); what it must not do is spill in its loops, which took 384-504 bytes of stack when
-# its buffers' descriptors were hoisted out of them.
+# name: (module, kernel, heads per tile, split partials, TMA, instruction shape -> count, TMA boxes,
+# stack bytes allowed). The warp-specialised kernel may keep a few values on the stack: none with
+# Triton 3.6 (8 bytes in its `cp.async` producers), 96 bytes with Triton 3.9 (a few values of the
+# second consumer and the producers' partial-block row addresses). What it must not do is spill its
+# consumers' operands, which took 384-504 bytes of stack when its buffers' shared-memory descriptors
+# were hoisted out of the loops.
+WS = (mla_decode_wgmma, "_mla_decode_wgmma_kernel", 64)
 KERNELS = {
-    "heads as rows": (mla_decode_wgmma, "_mla_decode_wgmma_kernel", 64, False, HEADS_AS_ROWS, 64),
-    "heads as rows, split partials": (mla_decode_wgmma, "_mla_decode_wgmma_kernel", 64, True, HEADS_AS_ROWS, 64),
-    "tokens as rows, 16 heads": (mla_decode_wgmma_narrow, "_mla_decode_narrow_kernel", 16, True, {"m64n16k16": 68}, 0),
-    "tokens as rows, 32 heads": (mla_decode_wgmma_narrow, "_mla_decode_narrow_kernel", 32, True, {"m64n32k16": 68}, 0),
-}
+    "heads as rows": (*WS, False, True, HEADS_AS_ROWS, 72, 128),
+    "heads as rows, split partials": (*WS, True, True, HEADS_AS_ROWS, 72, 128),
+    "heads as rows, cp.async": (*WS, False, False, HEADS_AS_ROWS, 0, 128),
+    "tokens as rows, 16 heads": (mla_decode_wgmma_narrow, "_mla_decode_narrow_kernel", 16, True, None,
+                                 {"m64n16k16": 68}, 0, 0),
+    "tokens as rows, 32 heads": (mla_decode_wgmma_narrow, "_mla_decode_narrow_kernel", 32, True, None,
+                                 {"m64n32k16": 68}, 0, 0),
+}  # fmt: skip
 
 
 @pytest.fixture(scope="module", params=list(KERNELS))
 def compiled(request):
-    module, name, block_h, write_lse, _, _ = KERNELS[request.param]
+    module, name, block_h, write_lse, use_tma = KERNELS[request.param][:5]
     fn = getattr(module, name)
     consts = dict(LORA=512, ROPE=64, PAGE=16, BLOCK_H=block_h, BLOCK_N=module.BLOCK_N, WRITE_LSE=write_lse)
     sig = {name: "*bf16" for name in POINTERS} | {"bt_ptr": "*i32", "seq_lens_ptr": "*i32", "lse_ptr": "*fp32"}
     sig |= {name: "i32" for name in STRIDES} | {"qk_scale": "fp32", "NUM_HEADS": "i32", "num_splits": "i32"}
+    if use_tma is not None:
+        consts["USE_TMA"] = use_tma
+        box = gl.NVMMASharedLayout.get_default_for([16, 64], gl.bfloat16)
+        sig["cache_desc"] = f"tensordesc<bf16[16, 64],{box!r}>" if use_tma else "constexpr"
+        if not use_tma:
+            consts["cache_desc"] = None
     sig |= {name: "constexpr" for name in consts}
     aligned = [n for n in POINTERS + STRIDES if n not in ("stride_os", "stride_lh")]
     attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned}
-    src = GluonASTSource(fn, sig, constexprs=consts, attrs=attrs)
+    src = GluonASTSource(fn, {n: sig[n] for n in fn.arg_names}, constexprs=consts, attrs=attrs)
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=module.NUM_WARPS))
-    return kernel, *KERNELS[request.param][-2:]
+    return kernel, *KERNELS[request.param][-3:]
 
 
 def test_each_tile_issues_its_tensor_core_work_once(compiled) -> None:
-    kernel, expected, _ = compiled
+    kernel, expected, _, _ = compiled
     shapes = re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)", kernel.asm["ptx"])
     assert {shape: shapes.count(shape) for shape in set(shapes)} == expected, shapes
 
 
+def test_whole_blocks_come_by_tma(compiled) -> None:
+    kernel, _, boxes, _ = compiled
+    assert len(re.findall(r"cp\.async\.bulk\.tensor\.2d", kernel.asm["ptx"])) == boxes
+
+
 def test_fits_one_multiprocessor_without_spills(compiled) -> None:
-    compiled, _, max_stack = compiled
+    compiled, _, _, max_stack = compiled
     assert compiled.metadata.shared <= SM90_SHARED_LIMIT
     cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     if not os.path.exists(cuobjdump):

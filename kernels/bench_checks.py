@@ -188,7 +188,8 @@ class Checker:
         """The sm_90 warp-group kernels at DeepSeek's latent dims: ragged lengths (tails inside a page,
         a 64-token block and a 128-token step), a partial head block, stale NaN past every sequence,
         splits, page sizes 16, 8, 64 and 128 (TMA boxes of a page, or of a block's piece of one), 4
-        and pages that are not back to back (no TMA: `cp.async` rows)."""
+        and pages that are not back to back (no TMA: `cp.async` rows), and scores that keep rising along
+        each sequence (every block moves the running maximum: the accumulators' rescaling)."""
         lora, rope = 512, 64
         seq_lens = [1, 37, 300, 129, 64, 1000, 192]
         lens = torch.tensor(seq_lens, dtype=torch.int32, device=self.device)
@@ -198,12 +199,18 @@ class Checker:
         # columns; 16 again with heads as rows, most of the tile's rows empty
         cases = [(128, "auto", 16), (80, "auto", 16), (32, "auto", 16), (20, "auto", 16), (16, "auto", 16),
                  (16, "wgmma", 16), (128, "auto", 8), (128, "auto", 64), (16, "auto", 64), (128, "auto", 128),
-                 (128, "auto", 4), (128, "auto", -16)]  # fmt: skip
-        for H, kernel, page in cases:
+                 (128, "auto", 4), (128, "auto", -16), (128, "auto", 16, "rising"), (32, "auto", 16, "rising")]  # fmt: skip
+        for H, kernel, page, *rising in cases:
             apart, page = page < 0, abs(page)  # negative: each page followed by a page-sized gap
             num_blocks, bt = self.paged(seq_lens, page)
             bt = bt + 1
             cache = self.randn(num_blocks + 1, page, lora + rope)
+            if rising:  # row t of a sequence scaled by 1 + t / 64
+                pos = torch.zeros(num_blocks + 1, page, device=self.device)
+                for b, n in enumerate(seq_lens):
+                    for w in range((n + page - 1) // page):
+                        pos[bt[b, w]] = w * page + torch.arange(page, device=self.device)
+                cache = (cache.float() * (1 + pos[..., None] / 64)).to(cache.dtype)
             qn, qp = self.randn(len(seq_lens), H, lora), self.randn(len(seq_lens), H, rope)
             ref = mla_decode_attention_ref(qn.float(), qp.float(), cache.float(), bt, lens, scale)
             stale = _poison_unowned(cache.clone(), bt, seq_lens)
@@ -215,7 +222,7 @@ class Checker:
             for splits in (None, 1, 3):
                 out = impl.mla_decode_attention(qn, qp, stale, bt, lens, scale, num_splits=splits,
                                                 config={"kernel": kernel})  # fmt: skip
-                layout = ", pages apart" if apart else ""
+                layout = (", pages apart" if apart else "") + (", rising scores" if rising else "")
                 case = f"B={len(seq_lens)} H={H} page={page}{layout} splits={splits} sm_90 kernel={kernel}"
                 self.record("mla_decode_attention", case, out, ref, self.tol())
 

@@ -30,6 +30,10 @@ tokens):
   the half freed last, at the end of a step, is the smaller one: 167.0 -> 160.7 / 149.5 -> 147.2;
 - one producer per buffer: with one producer, a half's refill waited behind the other buffer's,
   freed in a different order: 160.7 -> 142.9 / 147.2 -> 144.0.
+- not kept: the two programs of a sequence as a 2-CTA cluster, each CTA bringing half of a
+  block's rows by TMA multicast into both. That halves the L2 reads, but a half is then refilled
+  only once both multiprocessors' consumers have freed it: 167.0 against 139.8 us / 157.5 against
+  137.4 us (deploy/benchmarks.md).
 
 Shared memory: Q 72 KiB + K0, K1 2 x 72 KiB + P0 8 KiB; P1 reuses Q's rope columns once both
 consumers hold them in registers. Registers: the loops index every buffer with an opaque 0

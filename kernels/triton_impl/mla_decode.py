@@ -10,8 +10,8 @@ reused as the value.
 On sm_90, at 16 bits with DeepSeek's latent dims, `mla_decode_attention` runs a warp-group kernel
 written in Gluon instead: `mla_decode_wgmma` from 64 heads (warp-specialised: two warp groups take
 turns on the tensor cores while two producer warps bring rows by TMA; `tl.dot` would have both
-groups compute every score) and `mla_decode_wgmma_narrow` up to 32 (tokens as the MMA's rows, so few heads waste no
-tensor-core work); `config={"kernel": "tl"}` keeps this one.
+groups compute every score) and `mla_decode_wgmma_narrow` up to 32 (tokens as the MMA's rows, so
+few heads waste no tensor-core work); `config={"kernel": "tl"}` keeps this one.
 """
 
 from __future__ import annotations

@@ -33,7 +33,8 @@ tokens):
 - not kept: the two programs of a sequence as a 2-CTA cluster, each CTA bringing half of a
   block's rows by TMA multicast into both. That halves the L2 reads, but a half is then refilled
   only once both multiprocessors' consumers have freed it: 167.0 against 139.8 us / 157.5 against
-  137.4 us (deploy/benchmarks.md).
+  137.4 us. The loads alone are no faster with multicast (105.2 against 95.6 us / 93.2 against
+  92.4): each multiprocessor still takes in 144 KiB a step (deploy/benchmarks.md).
 
 Shared memory: Q 72 KiB + K0, K1 2 x 72 KiB + P0 8 KiB; P1 reuses Q's rope columns once both
 consumers hold them in registers. Registers: the loops index every buffer with an opaque 0

@@ -36,6 +36,11 @@ tokens):
   137.4 us. The loads alone are no faster with multicast (105.2 against 95.6 us / 93.2 against
   92.4): each multiprocessor still takes in 144 KiB a step (deploy/benchmarks.md).
 
+The output. Every program stores its 64 x 512 outputs at the same moment, at the end. From the
+accumulator's layout (two adjacent values of a row per thread) that took ~5 us of the kernel's ~130
+(per-program %globaltimer marks: 0.5 us without the store). Each group now writes its half into a
+freed K buffer and sends it by TMA (4 boxes of 64 x 64): 146.2 -> 142.4 us / 144.8 -> 140.2 us.
+
 Shared memory: Q 72 KiB + K0, K1 2 x 72 KiB + P0 8 KiB; P1 reuses Q's rope columns once both
 consumers hold them in registers. Registers: the loops index every buffer with an opaque 0
 (`j >> 30`); with constant indices the compiler hoists the ~80 loop-invariant shared-memory
@@ -54,12 +59,13 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
+    tma,
     warpgroup_mma,
     warpgroup_mma_wait,
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from kernels.triton_impl.mla_sm90_common import _async_load, _tma_load, sm90_latent_operands
+from kernels.triton_impl.mla_sm90_common import _async_load, _tma_load, _tma_store, sm90_latent_operands
 
 BLOCK_H = 64
 BLOCK_N = 64  # tokens per block; a step is two blocks
@@ -128,7 +134,8 @@ def _p_operand(p, dtype: gl.constexpr, o_layout: gl.constexpr):
 @gluon.jit
 def _consumer0(qn_smem, qp_smem, kc_smem, kr_smem, p0_smem, m_smem, l_smem, bars, qn_base, qp_base,
                stride_qnh, stride_qph, NUM_HEADS, hb, start, end, n_steps, qk_scale, out_base, stride_oh, lse_base,
-               stride_lh, WRITE_LSE: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr):  # fmt: skip
+               stride_lh, out_desc, out_row, WRITE_LSE: gl.constexpr, s_layout: gl.constexpr,
+               o_layout: gl.constexpr):  # fmt: skip
     """Group 0: loads Q, scores the first block of every step, owns output dims [0, 256)."""
     BLOCK_H: gl.constexpr = qn_smem.shape[1]
     LORA: gl.constexpr = qn_smem.shape[2]
@@ -189,13 +196,14 @@ def _consumer0(qn_smem, qp_smem, kc_smem, kr_smem, p0_smem, m_smem, l_smem, bars
         mbarrier.arrive(bars.index(P1_FREE), count=1)
         mbarrier.arrive(bars.index(K_EMPTY + 2 + LEFT), count=1)
 
-    _finish(acc, l_i, m_i, 0, l_smem, bars, hb, NUM_HEADS, out_base, stride_oh, lse_base, stride_lh, o_layout,
-            row_layout, WRITE_LSE)  # fmt: skip
+    _finish(acc, l_i, m_i, 0, l_smem, kc_smem, bars, hb, NUM_HEADS, out_base, stride_oh, lse_base, stride_lh,
+            out_desc, out_row, o_layout, row_layout, WRITE_LSE)  # fmt: skip
 
 
 @gluon.jit
 def _consumer1(qn_smem, qp_smem, kc_smem, kr_smem, p0_smem, m_smem, l_smem, bars, NUM_HEADS, hb, start, end, n_steps,
-               qk_scale, out_base, stride_oh, s_layout: gl.constexpr, o_layout: gl.constexpr):  # fmt: skip
+               qk_scale, out_base, stride_oh, out_desc, out_row, s_layout: gl.constexpr,
+               o_layout: gl.constexpr):  # fmt: skip
     """Group 1: scores the second block of every step, owns output dims [256, 512)."""
     BLOCK_H: gl.constexpr = qn_smem.shape[1]
     LORA: gl.constexpr = qn_smem.shape[2]
@@ -241,26 +249,40 @@ def _consumer1(qn_smem, qp_smem, kc_smem, kr_smem, p0_smem, m_smem, l_smem, bars
         mbarrier.arrive(bars.index(P0_FREE), count=1)
         mbarrier.arrive(bars.index(K_EMPTY + 0 + RIGHT), count=1)
 
-    _finish(acc, l_i, m_i, 1, l_smem, bars, hb, NUM_HEADS, out_base, stride_oh, out_base, 0, o_layout, row_layout,
-            False)  # fmt: skip
+    _finish(acc, l_i, m_i, 1, l_smem, kc_smem, bars, hb, NUM_HEADS, out_base, stride_oh, out_base, 0, out_desc,
+            out_row, o_layout, row_layout, False)  # fmt: skip
 
 
 @gluon.jit
-def _finish(acc, l_i, m_i, g: gl.constexpr, l_smem, bars, hb, NUM_HEADS, out_base, stride_oh, lse_base, stride_lh,
-            o_layout: gl.constexpr, row_layout: gl.constexpr, WRITE_LSE: gl.constexpr):  # fmt: skip
-    """The two groups' row sums meet; group g stores its half of the output (and the log-sum-exp)."""
+def _finish(acc, l_i, m_i, g: gl.constexpr, l_smem, kc_smem, bars, hb, NUM_HEADS, out_base, stride_oh, lse_base,
+            stride_lh, out_desc, out_row, o_layout: gl.constexpr, row_layout: gl.constexpr,
+            WRITE_LSE: gl.constexpr):  # fmt: skip
+    """The two groups' row sums meet; group g stores its half of the output (and the log-sum-exp).
+
+    With a descriptor for the output (a whole block of heads, no split partials) the half goes out
+    through shared memory by TMA: from the accumulator's layout each thread holds two adjacent
+    values of a row, and storing those straight to global memory took ~5 us at batch 64 (every
+    program stores at the same moment, in 4-byte pieces), 4% of the kernel."""
     BLOCK_H: gl.constexpr = acc.shape[0]
     HALF: gl.constexpr = acc.shape[1]
     l_smem[g].store(l_i)
     mbarrier.arrive(bars.index(L_READY), count=1)
-    mbarrier.wait(bars.index(L_READY), 0)
+    mbarrier.wait(bars.index(L_READY), 0)  # both groups are past their last P·V: the K buffers are free
     l_tot = l_i + l_smem[1 - g].load(row_layout)
     empty = l_tot == 0.0
-    o = acc / gl.convert_layout(gl.where(empty, 1.0, l_tot), gl.SliceLayout(1, o_layout))[:, None]
-    heads = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, o_layout))
-    dims = g * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(0, o_layout))
-    gl.store(out_base + heads[:, None] * stride_oh + dims[None, :], o.to(out_base.dtype.element_ty),
-             mask=(heads < NUM_HEADS)[:, None])  # fmt: skip
+    o = acc * gl.convert_layout(1.0 / gl.where(empty, 1.0, l_tot), gl.SliceLayout(1, o_layout))[:, None]
+    if out_desc is not None:
+        stage = kc_smem.index(0).slice(g * HALF, HALF, dim=1)
+        stage.store(o.to(stage.dtype))
+        fence_async_shared()
+        for c in gl.static_range(HALF // 64):
+            _tma_store(out_desc, [out_row, g * HALF + c * 64], stage.slice(c * 64, 64, dim=1))
+        tma.store_wait(0)
+    else:
+        heads = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, o_layout))
+        dims = g * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(0, o_layout))
+        gl.store(out_base + heads[:, None] * stride_oh + dims[None, :], o.to(out_base.dtype.element_ty),
+                 mask=(heads < NUM_HEADS)[:, None])  # fmt: skip
     if WRITE_LSE:
         heads_s = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=row_layout)
         lse = gl.where(empty, float("-inf"), m_i + gl.log2(gl.where(empty, 1.0, l_tot)))
@@ -346,7 +368,7 @@ def _gather_half(kc_smem, kr_smem, bars, cache_ptr, bt_row, r0, end, stride_cb, 
 
 @gluon.jit
 def _mla_decode_wgmma_kernel(
-    qn_ptr, qp_ptr, cache_ptr, cache_desc, bt_ptr, seq_lens_ptr, out_ptr, lse_ptr,
+    qn_ptr, qp_ptr, cache_ptr, cache_desc, out_desc, bt_ptr, seq_lens_ptr, out_ptr, lse_ptr,
     stride_qnb, stride_qnh, stride_qpb, stride_qph, stride_cb, stride_cs, stride_btb,
     stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
     qk_scale, NUM_HEADS, num_splits,
@@ -402,13 +424,14 @@ def _mla_decode_wgmma_kernel(
     out_base = out_ptr + b * stride_ob + split * stride_os
     lse_base = lse_ptr + b * stride_lb + split
     bt_row = bt_ptr + b * stride_btb
+    out_row = (b * NUM_HEADS + hb * BLOCK_H).to(gl.int32)  # the block's first row of the [B * H, LORA] output
     gl.warp_specialize(
         [
             (_consumer0, (qn_smem, qp_smem, kc_smem, kr_smem, p0_smem, m_smem, l_smem, bars, qn_base, qp_base,
                           stride_qnh, stride_qph, NUM_HEADS, hb, start, end, n_steps, qk_scale, out_base, stride_oh,
-                          lse_base, stride_lh, WRITE_LSE, s_layout, o_layout)),
+                          lse_base, stride_lh, out_desc, out_row, WRITE_LSE, s_layout, o_layout)),
             (_consumer1, (qn_smem, qp_smem, kc_smem, kr_smem, p0_smem, m_smem, l_smem, bars, NUM_HEADS, hb, start,
-                          end, n_steps, qk_scale, out_base, stride_oh, s_layout, o_layout)),
+                          end, n_steps, qk_scale, out_base, stride_oh, out_desc, out_row, s_layout, o_layout)),
             (_producer, (kc_smem, kr_smem, bars, cache_ptr, cache_desc, bt_row, start, end, n_steps, stride_cb, stride_cs,
                          PAGE, USE_TMA, 0)),
             (_producer, (kc_smem, kr_smem, bars, cache_ptr, cache_desc, bt_row, start, end, n_steps, stride_cb, stride_cs,
@@ -443,13 +466,27 @@ def _rows_descriptor(latent_cache: torch.Tensor):
     return TensorDescriptor.from_tensor(rows, [box, 64], _box_layout(box, latent_cache.dtype == torch.float16))
 
 
+def _output_descriptor(o: torch.Tensor, num_splits: int):
+    """A TMA descriptor over the output as a [B * H, 512] matrix in boxes of 64 heads x 64 dims, or None
+    (split partials, a partial block of heads, an output that is not one contiguous 16-byte aligned
+    matrix): the kernel then stores from registers."""
+    if num_splits > 1:  # `o` holds the split partials, [B, H, splits, LORA] fp32
+        return None
+    B, H, lora = o.shape
+    if H % BLOCK_H or not o.is_contiguous() or o.data_ptr() % 16:
+        return None
+    return TensorDescriptor.from_tensor(
+        o.view(B * H, lora), [BLOCK_H, 64], _box_layout(BLOCK_H, o.dtype == torch.float16)
+    )
+
+
 def launch(q_nope, q_pe, latent_cache, block_tables, seq_lens, qk_scale, o, o_strides, lse, lse_strides,
            num_splits: int) -> None:  # fmt: skip
     """Run the kernel into `o` (the output, or the split partials with `lse`)."""
     B, H, lora = q_nope.shape
     desc = _rows_descriptor(latent_cache)
     _mla_decode_wgmma_kernel[(triton.cdiv(H, BLOCK_H), B, num_splits)](
-        q_nope, q_pe, latent_cache, desc, block_tables, seq_lens, o, lse,
+        q_nope, q_pe, latent_cache, desc, _output_descriptor(o, num_splits), block_tables, seq_lens, o, lse,
         q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1),
         latent_cache.stride(0), latent_cache.stride(1), block_tables.stride(0),
         *o_strides, *lse_strides, qk_scale, H, num_splits,

@@ -9,10 +9,12 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 from triton.experimental.gluon.language.nvidia.hopper import tma
 
-# Triton 3.6 names the cp.async gather and the TMA load `async_copy_global_to_shared` and the CTA
-# barrier `thread_barrier`; later releases `async_load` and `barrier`.
+# Triton 3.6 names the cp.async gather and the TMA load `async_copy_global_to_shared`, the TMA store
+# `async_copy_shared_to_global` and the CTA barrier `thread_barrier`; later releases `async_load`,
+# `async_store` and `barrier`.
 _async_load = getattr(cp, "async_load", None) or cp.async_copy_global_to_shared
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+_tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
 _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 
 

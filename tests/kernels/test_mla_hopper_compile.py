@@ -14,7 +14,9 @@ build them for sm_90 with the installed Triton and check what each kernel's desi
 - The warp-specialised kernel brings whole blocks by TMA: per producer (one per buffer) and
   128-token step, its block in boxes of one 16-token page x 64 columns: 4 pages x (8 latent + 1 rope)
   = 36, so 72 in the kernel; without a TMA descriptor (pages under 8 tokens, pages not back to
-  back) it gathers by `cp.async` and issues none.
+  back) it gathers by `cp.async` and issues none. With a descriptor for the output (whole blocks of
+  heads, no split partials) each consumer group stores its half of the output by TMA: 4 boxes of 64
+  heads x 64 dims, 8 in the kernel.
 """
 
 from __future__ import annotations
@@ -42,21 +44,21 @@ STRIDES = ("stride_qnb", "stride_qnh", "stride_qpb", "stride_qph", "stride_cb", 
 
 
 HEADS_AS_ROWS = {"m64n64k16": 72, "m64n256k16": 16}
-# name: (module, kernel, heads per tile, split partials, TMA, instruction shape -> count, TMA boxes,
-# stack bytes allowed). The warp-specialised kernel may keep a few values on the stack: none with
+# name: (module, kernel, heads per tile, split partials, TMA, instruction shape -> count, TMA boxes
+# loaded, TMA boxes stored, stack bytes allowed). The warp-specialised kernel may keep a few values on the stack: none with
 # Triton 3.6 (8 bytes in its `cp.async` producers), 96 bytes with Triton 3.9 (a few values of the
 # second consumer and the producers' partial-block row addresses). What it must not do is spill its
 # consumers' operands, which took 384-504 bytes of stack when its buffers' shared-memory descriptors
 # were hoisted out of the loops.
 WS = (mla_decode_wgmma, "_mla_decode_wgmma_kernel", 64)
 KERNELS = {
-    "heads as rows": (*WS, False, True, HEADS_AS_ROWS, 72, 128),
-    "heads as rows, split partials": (*WS, True, True, HEADS_AS_ROWS, 72, 128),
-    "heads as rows, cp.async": (*WS, False, False, HEADS_AS_ROWS, 0, 128),
+    "heads as rows": (*WS, False, True, HEADS_AS_ROWS, 72, 8, 128),
+    "heads as rows, split partials": (*WS, True, True, HEADS_AS_ROWS, 72, 0, 128),
+    "heads as rows, cp.async": (*WS, False, False, HEADS_AS_ROWS, 0, 8, 128),
     "tokens as rows, 16 heads": (mla_decode_wgmma_narrow, "_mla_decode_narrow_kernel", 16, True, None,
-                                 {"m64n16k16": 68}, 0, 0),
+                                 {"m64n16k16": 68}, 0, 0, 0),
     "tokens as rows, 32 heads": (mla_decode_wgmma_narrow, "_mla_decode_narrow_kernel", 32, True, None,
-                                 {"m64n32k16": 68}, 0, 0),
+                                 {"m64n32k16": 68}, 0, 0, 0),
 }  # fmt: skip
 
 
@@ -73,27 +75,34 @@ def compiled(request):
         sig["cache_desc"] = f"tensordesc<bf16[16, 64],{box!r}>" if use_tma else "constexpr"
         if not use_tma:
             consts["cache_desc"] = None
+        # the output by TMA: whole blocks of heads, no split partials
+        out_box = gl.NVMMASharedLayout.get_default_for([block_h, 64], gl.bfloat16)
+        sig["out_desc"] = "constexpr" if write_lse else f"tensordesc<bf16[{block_h}, 64],{out_box!r}>"
+        if write_lse:
+            consts["out_desc"] = None
     sig |= {name: "constexpr" for name in consts}
     aligned = [n for n in POINTERS + STRIDES if n not in ("stride_os", "stride_lh")]
     attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned}
     src = GluonASTSource(fn, {n: sig[n] for n in fn.arg_names}, constexprs=consts, attrs=attrs)
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=module.NUM_WARPS))
-    return kernel, *KERNELS[request.param][-3:]
+    return kernel, *KERNELS[request.param][-4:]
 
 
 def test_each_tile_issues_its_tensor_core_work_once(compiled) -> None:
-    kernel, expected, _, _ = compiled
+    kernel, expected, _, _, _ = compiled
     shapes = re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)", kernel.asm["ptx"])
     assert {shape: shapes.count(shape) for shape in set(shapes)} == expected, shapes
 
 
-def test_whole_blocks_come_by_tma(compiled) -> None:
-    kernel, _, boxes, _ = compiled
-    assert len(re.findall(r"cp\.async\.bulk\.tensor\.2d", kernel.asm["ptx"])) == boxes
+def test_whole_blocks_come_and_go_by_tma(compiled) -> None:
+    kernel, _, loaded, stored, _ = compiled
+    ptx = kernel.asm["ptx"]
+    assert len(re.findall(r"cp\.async\.bulk\.tensor\.2d\.shared::\w+\.global", ptx)) == loaded
+    assert len(re.findall(r"cp\.async\.bulk\.tensor\.2d\.global\.shared", ptx)) == stored
 
 
 def test_fits_one_multiprocessor_without_spills(compiled) -> None:
-    compiled, _, _, max_stack = compiled
+    compiled, _, _, _, max_stack = compiled
     assert compiled.metadata.shared <= SM90_SHARED_LIMIT
     cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     if not os.path.exists(cuobjdump):

@@ -45,11 +45,11 @@ STRIDES = ("stride_qnb", "stride_qnh", "stride_qpb", "stride_qph", "stride_cb", 
 
 HEADS_AS_ROWS = {"m64n64k16": 72, "m64n256k16": 16}
 # name: (module, kernel, heads per tile, split partials, TMA, instruction shape -> count, TMA boxes
-# loaded, TMA boxes stored, stack bytes allowed). The warp-specialised kernel may keep a few values on the stack: none with
-# Triton 3.6 (8 bytes in its `cp.async` producers), 96 bytes with Triton 3.9 (a few values of the
-# second consumer and the producers' partial-block row addresses). What it must not do is spill its
-# consumers' operands, which took 384-504 bytes of stack when its buffers' shared-memory descriptors
-# were hoisted out of the loops.
+# loaded, TMA boxes stored, stack bytes allowed). The warp-specialised kernel may keep a few values
+# on the stack: none with Triton 3.6 (8 bytes in its `cp.async` producers), 96 bytes with Triton 3.9
+# (a few values of the second consumer and the producers' partial-block row addresses). What it must
+# not do is spill its consumers' operands, which took 384-504 bytes of stack when its buffers'
+# shared-memory descriptors were hoisted out of the loops.
 WS = (mla_decode_wgmma, "_mla_decode_wgmma_kernel", 64)
 KERNELS = {
     "heads as rows": (*WS, False, True, HEADS_AS_ROWS, 72, 8, 128),

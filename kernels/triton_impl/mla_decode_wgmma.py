@@ -257,12 +257,9 @@ def _consumer1(qn_smem, qp_smem, kc_smem, kr_smem, p0_smem, m_smem, l_smem, bars
 def _finish(acc, l_i, m_i, g: gl.constexpr, l_smem, kc_smem, bars, hb, NUM_HEADS, out_base, stride_oh, lse_base,
             stride_lh, out_desc, out_row, o_layout: gl.constexpr, row_layout: gl.constexpr,
             WRITE_LSE: gl.constexpr):  # fmt: skip
-    """The two groups' row sums meet; group g stores its half of the output (and the log-sum-exp).
-
-    With a descriptor for the output (a whole block of heads, no split partials) the half goes out
-    through shared memory by TMA: from the accumulator's layout each thread holds two adjacent
-    values of a row, and storing those straight to global memory took ~5 us at batch 64 (every
-    program stores at the same moment, in 4-byte pieces), 4% of the kernel."""
+    """The two groups' row sums meet; group g stores its half of the output (and the log-sum-exp):
+    through a freed K buffer by TMA when there is a descriptor for the output (a whole block of heads,
+    no split partials; why: "The output" in the module's docstring), else from registers."""
     BLOCK_H: gl.constexpr = acc.shape[0]
     HALF: gl.constexpr = acc.shape[1]
     l_smem[g].store(l_i)

@@ -234,9 +234,9 @@ def measure_ceilings(device: str) -> dict[str, Any]:
     """Copy bandwidth (bytes read + written) and matmul rate: `kernels.bench`'s own measurement on
     CUDA; wall-clock medians of a 32 MiB copy and a 512^3 fp32 matmul on CPU."""
     if device.startswith("cuda"):
-        from kernels.bench_timing import Bench
+        from kernels.bench_timing import ceilings
 
-        bw, mm = Bench._ceilings()
+        bw, mm = ceilings()
         torch.cuda.empty_cache()
         name, timer = torch.cuda.get_device_name(), "CUDA events"
     else:

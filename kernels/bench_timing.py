@@ -8,8 +8,10 @@ baseline/time. `--sweep` adds one row per candidate tile config (marked `sweep`)
 
 from __future__ import annotations
 
+import functools
 import itertools
 import statistics
+import time
 from collections.abc import Callable
 from functools import partial
 
@@ -31,39 +33,95 @@ DEV = "cuda"
 BF16 = torch.bfloat16
 
 
-def bench_ms(fn: Callable[[], object], rep: int = 100, graph: bool = False, rounds: int = 3) -> float:
-    """Median ms of CUDA-event timings; `graph`: of CUDA-graph replays (no launch overhead, L2 warm),
-    for decode-sized ops that the engine runs inside its decode graphs.
+FLUSH_BYTES = 256 << 20  # ~5x an H100/H200's L2, as `do_bench` flushes
 
-    The lent card is shared and has slow episodes: one `do_bench` of a memory-bound MLA row read
-    162-191 us where its neighbours read 88-92. So the median of `rounds` separate medians, after
-    250 ms of warm-up (an idle card takes longer than do_bench's default 25 ms to reach its clocks)."""
+
+@functools.cache
+def _flush_buffers() -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.zeros(FLUSH_BYTES // 2 // 4096, 4096, device=DEV, dtype=torch.float16), torch.empty(
+        1, 4096, device=DEV, dtype=torch.float16
+    )
+
+
+def _host_us(fn: Callable[[], object], calls: int = 5) -> float:
+    """Host time to launch `fn` (no synchronization), µs per call."""
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    return (time.perf_counter() - start) / calls * 1e6
+
+
+def cold_ms(fn: Callable[[], object], rep: int, flush: str = "read") -> float:
+    """Median ms of CUDA-event timings of `fn`, each after L2 is emptied of its data by a 256 MB flush,
+    over ~`rep` ms of repetitions.
+
+    `memset` is `triton.testing.do_bench`: it zeroes the buffer, which leaves L2 full of dirty lines
+    that the op then writes back before its own reads get the memory. That costs a fixed ~8 us
+    (a contiguous read of 302 MB: 79.3 us after the memset, 71.0 after a read; of 1 GiB: 246.1 and
+    237.8; deploy/benchmarks.md), which no op pays in an engine step (the kernels before it leave
+    weights, clean lines, in L2). `read` empties L2 by reading the buffer (a max over it): the op
+    starts as cold, with nothing to write back.
+
+    The stream is held by a GPU spin before each flush, longer than the host takes to launch `fn`,
+    so the start event never fires while the host is still launching: an MLA op takes 130-235 us of
+    host time a call, more than its 80 us on the GPU plus the flush's, and `do_bench` then timed the
+    host (159-176 us for ops of 80-85, 2x in whole runs; deploy/benchmarks.md)."""
+    if flush == "memset":
+        return do_bench(fn, warmup=10, rep=rep, return_mode="median")
+    buf, out = _flush_buffers()
+    est = do_bench(fn, warmup=1, rep=5, return_mode="median")
+    # >= that many µs at clocks up to 2 GHz; capped for references that synchronize inside (they wait it out)
+    hold_cycles = int(min(2 * _host_us(fn) + 100, 2000) * 2000)
+    pairs = []
+    for _ in range(max(10, min(1000, int(rep / max(est, 1e-3))))):
+        torch.cuda._sleep(hold_cycles)
+        torch.amax(buf, dim=0, keepdim=True, out=out)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        pairs.append((start, end))
+    torch.cuda.synchronize()
+    return statistics.median(start.elapsed_time(end) for start, end in pairs)
+
+
+def bench_ms(
+    fn: Callable[[], object], rep: int = 100, graph: bool = False, rounds: int = 3, flush: str = "read"
+) -> float:
+    """Median ms of CUDA-event timings after an L2 flush (`cold_ms`); `graph`: of CUDA-graph replays
+    (no launch overhead, L2 warm), for decode-sized ops that the engine runs inside its decode graphs.
+
+    The median of `rounds` separate medians (the lent card is shared), after 250 ms of warm-up (an
+    idle card takes longer than do_bench's default 25 ms to reach its clocks)."""
     if graph:
         fn()  # compile outside the capture
         return statistics.median(do_bench_cudagraph(fn, rep=rep, return_mode="median") for _ in range(rounds))
     do_bench(fn, warmup=250, rep=1)
-    return statistics.median(do_bench(fn, warmup=10, rep=rep, return_mode="median") for _ in range(rounds))
+    return statistics.median(cold_ms(fn, rep, flush) for _ in range(rounds))
+
+
+def ceilings(flush: str = "read") -> tuple[float, float]:
+    """Copy bandwidth (bytes read + written, 1 GiB) and bf16 matmul rate (8192^3), timed like the
+    rows they are the floors of (the same flush)."""
+    a = torch.randn(1 << 29, device=DEV, dtype=BF16)
+    b = torch.empty_like(a)
+    bw = 2 * a.nbytes / (bench_ms(lambda: b.copy_(a), flush=flush) * 1e-3)
+    x, y = (torch.randn(8192, 8192, device=DEV, dtype=BF16) for _ in range(2))
+    mm = 2 * 8192**3 / (bench_ms(lambda: x @ y, flush=flush) * 1e-3)
+    return bw, mm
 
 
 class Bench:
-    def __init__(self, sweep: list[str] | None):
+    def __init__(self, sweep: list[str] | None, flush: str = "read"):
         self.sweep_names = sweep or []
+        self.flush = flush
         self.rows: list[dict] = []
-        self.bw, self.mm = self._ceilings()
-
-    @staticmethod
-    def _ceilings() -> tuple[float, float]:
-        a = torch.randn(1 << 29, device=DEV, dtype=BF16)  # 1 GiB
-        b = torch.empty_like(a)
-        bw = 2 * a.nbytes / (bench_ms(lambda: b.copy_(a)) * 1e-3)
-        x, y = (torch.randn(8192, 8192, device=DEV, dtype=BF16) for _ in range(2))
-        mm = 2 * 8192**3 / (bench_ms(lambda: x @ y) * 1e-3)
-        return bw, mm
+        self.bw, self.mm = ceilings(flush)
 
     def add(self, kernel, shape, fn, nbytes, flops, base_name=None, base_fn=None, tag="", rep=100, graph=False,
             base_graph=None):  # fmt: skip
         try:
-            t = bench_ms(fn, rep if not tag else 50, graph) * 1e-3
+            t = bench_ms(fn, rep if not tag else 50, graph, flush=self.flush) * 1e-3
         except Exception as exc:  # e.g. a sweep config out of shared memory: report, keep going
             print(f"{kernel} {shape} {tag}: {type(exc).__name__}: {str(exc)[:200]}")
             return
@@ -74,7 +132,7 @@ class Bench:
             ratio=max(floor_b, floor_f) / t, base=base_name, base_us=None, speedup=None,
         )  # fmt: skip
         if base_fn is not None:
-            tb = bench_ms(base_fn, rep, graph if base_graph is None else base_graph) * 1e-3
+            tb = bench_ms(base_fn, rep, graph if base_graph is None else base_graph, flush=self.flush) * 1e-3
             row.update(base_us=tb * 1e6, speedup=tb / t)
         self.rows.append(row)
 
@@ -261,9 +319,12 @@ class Bench:
 DEEPSEEK_ROUTING = dict(scoring="sigmoid", num_groups=8, topk_groups=4, bias=True, routed_scaling_factor=2.5)
 
 
-def run_timings(sweep: list[str] | None = None, only: list[str] | None = None) -> tuple[list[dict], dict]:
-    """Time every target shape (kernels in `only`, default all); sweep the kernels in `sweep` ("all": every one)."""
-    b = Bench(sweep)
+def run_timings(
+    sweep: list[str] | None = None, only: list[str] | None = None, flush: str = "read"
+) -> tuple[list[dict], dict]:
+    """Time every target shape (kernels in `only`, default all); sweep the kernels in `sweep` ("all": every
+    one); `flush`: how L2 is emptied before each timed run (`cold_ms`)."""
+    b = Bench(sweep, flush)
 
     def want(name: str) -> bool:
         return not only or name in only
@@ -273,7 +334,6 @@ def run_timings(sweep: list[str] | None = None, only: list[str] | None = None) -
         b.decode(64, 4096, 64, tiles=False)
         b.decode(4, 32768, 32, tiles=False)
     if want("mla_decode_attention"):
-        # memory-bound shapes first: they are the ones the card's slow episodes move most (see bench_ms)
         b.mla(64, 4096, 16)  # a tensor-parallel rank's share of DeepSeek-V3's heads at TP 8
         b.mla(64, 4096, 32)  # ... at TP 4
         b.mla(64, 4096, 128)  # all heads on one GPU (data-parallel attention)
@@ -289,7 +349,8 @@ def run_timings(sweep: list[str] | None = None, only: list[str] | None = None) -
             torch.cuda.empty_cache()
     if want("small_ops"):
         b.small_ops()
-    ceilings = {"copy_GBps": b.bw / 1e9, "matmul_TFLOPs": b.mm / 1e12, "device": torch.cuda.get_device_name()}
+    ceilings = {"copy_GBps": b.bw / 1e9, "matmul_TFLOPs": b.mm / 1e12, "device": torch.cuda.get_device_name(),
+                "flush": flush}  # fmt: skip
     print(format_table(b.rows, ceilings))
     return b.rows, ceilings
 
@@ -297,7 +358,7 @@ def run_timings(sweep: list[str] | None = None, only: list[str] | None = None) -
 def format_table(rows: list[dict], ceilings: dict) -> str:
     out = [
         f"device {ceilings['device']}: copy {ceilings['copy_GBps']:.0f} GB/s (read+write), "
-        f"bf16 matmul {ceilings['matmul_TFLOPs']:.0f} TFLOP/s",
+        f"bf16 matmul {ceilings['matmul_TFLOPs']:.0f} TFLOP/s; L2 flushed by a {ceilings['flush']} before each run",
         "",
         "| kernel | shape | time µs | GB/s | TFLOP/s | floor µs (bound) | floor/time | baseline | baseline µs | baseline/time |",
         "|---|---|---:|---:|---:|---:|---:|---|---:|---:|",

@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_impl.common import next_pow2
+from kernels.triton_impl.common import cdiv, next_pow2
 
 
 @triton.jit
@@ -84,5 +84,5 @@ def copy_blocks(kv_buffer: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -
     numel = kv_buffer[0, 0].numel()
     assert kv_buffer[0, 0].is_contiguous(), "each (layer, block) region must be contiguous"
     block = min(next_pow2(numel), 4096)
-    grid = (P, L, triton.cdiv(numel, block))
+    grid = (P, L, cdiv(numel, block))
     _copy_blocks_kernel[grid](kv_buffer, src, dst, kv_buffer.stride(0), kv_buffer.stride(1), numel, BLOCK=block)

@@ -37,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_impl.common import dot, ieee, small_tiles
+from kernels.triton_impl.common import cdiv, dot, ieee, next_pow2, small_tiles
 from kernels.triton_impl.moe_routing import moe_align
 
 
@@ -219,8 +219,8 @@ def sum_choices(rows: torch.Tensor, top_k: int) -> torch.Tensor:
     """[T * k, H] -> [T, H]: one pass at copy speed (torch's strided sum over k reached ~70 % of it)."""
     TK, H = rows.shape
     out = torch.empty((TK // top_k, H), dtype=rows.dtype, device=rows.device)
-    block_h = 16 if small_tiles() else min(1024, triton.next_power_of_2(H))
-    _sum_choices_kernel[(TK // top_k, triton.cdiv(H, block_h))](rows, out, H, TOP_K=top_k, BLOCK_H=block_h, num_warps=4)
+    block_h = 16 if small_tiles() else min(1024, next_pow2(H))
+    _sum_choices_kernel[(TK // top_k, cdiv(H, block_h))](rows, out, H, TOP_K=top_k, BLOCK_H=block_h, num_warps=4)
     return out
 
 
@@ -296,7 +296,7 @@ def _weight_desc(w: torch.Tensor, cfg: dict):
 
 
 def _launch(kernel, cfg: dict, num_m: int, n: int, *args, **kwargs) -> None:
-    grid = (num_m * triton.cdiv(n, cfg["BLOCK_N"]),)
+    grid = (num_m * cdiv(n, cfg["BLOCK_N"]),)
     kernel[grid](
         *args, **kwargs,
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"],

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_impl.common import dot, ieee, next_pow2, sm_count, small_tiles
+from kernels.triton_impl.common import cdiv, dot, ieee, next_pow2, sm_count, small_tiles
 from kernels.triton_impl.split_kv import choose_num_splits, merge_splits
 
 LOG2E = 1.4426950408889634
@@ -203,7 +203,7 @@ def mla_decode_attention(
         block_h, per_sm = hopper.BLOCK_H, 1
     else:
         block_h, per_sm = min(cfg["BLOCK_H"], max(16, next_pow2(H))), cfg["per_sm"]
-    head_blocks = triton.cdiv(H, block_h)
+    head_blocks = cdiv(H, block_h)
     if num_splits is None:
         num_splits = choose_num_splits(
             B * head_blocks, block_tables.shape[1] * page, sm_count(q_nope.device), per_sm=per_sm

@@ -52,7 +52,6 @@ from __future__ import annotations
 import functools
 
 import torch
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
@@ -65,6 +64,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from kernels.triton_impl.common import cdiv
 from kernels.triton_impl.mla_sm90_common import _async_load, _tma_load, _tma_store, sm90_latent_operands
 
 BLOCK_H = 64
@@ -482,7 +482,7 @@ def launch(q_nope, q_pe, latent_cache, block_tables, seq_lens, qk_scale, o, o_st
     """Run the kernel into `o` (the output, or the split partials with `lse`)."""
     B, H, lora = q_nope.shape
     desc = _rows_descriptor(latent_cache)
-    _mla_decode_wgmma_kernel[(triton.cdiv(H, BLOCK_H), B, num_splits)](
+    _mla_decode_wgmma_kernel[(cdiv(H, BLOCK_H), B, num_splits)](
         q_nope, q_pe, latent_cache, desc, _output_descriptor(o, num_splits), block_tables, seq_lens, o, lse,
         q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1),
         latent_cache.stride(0), latent_cache.stride(1), block_tables.stride(0),

@@ -7,7 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_impl.common import next_pow2
+from kernels.triton_impl.common import cdiv, next_pow2
 
 
 @triton.jit
@@ -168,7 +168,7 @@ def moe_align(
         return sorted_ids, expert_ids, npad
     e_pad = next_pow2(num_experts + 1)
     block = 1024 if N >= 1024 else next_pow2(N)
-    grid = (triton.cdiv(N, block),)
+    grid = (cdiv(N, block),)
     _count_kernel[grid](ids, counts, N, num_experts, E_PAD=e_pad, BLOCK=block)
     _offsets_kernel[(1,)](counts, cursor, expert_ids, npad, num_experts, max_blocks,
                           E_PAD=e_pad, BLOCK_M=block_m, CHUNK=32)  # fmt: skip

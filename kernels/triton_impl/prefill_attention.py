@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_impl.common import dot, ieee, next_pow2, small_tiles
+from kernels.triton_impl.common import cdiv, dot, ieee, next_pow2, small_tiles
 
 LOG2E = 1.4426950408889634
 
@@ -146,7 +146,7 @@ def paged_prefill_attention(
     if query.stride(-1) != 1:
         query = query.contiguous()
     cfg = config or default_config(d, query.dtype)
-    grid = (triton.cdiv(max_query_len, cfg["BLOCK_M"]), hq, B)
+    grid = (cdiv(max_query_len, cfg["BLOCK_M"]), hq, B)
     _prefill_kernel[grid](
         query, kv_cache, block_tables, query_start_loc, seq_lens, out,
         query.stride(0), query.stride(1),

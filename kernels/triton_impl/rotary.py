@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_impl.common import next_pow2
+from kernels.triton_impl.common import cdiv, next_pow2
 
 
 @triton.jit
@@ -56,7 +56,7 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     half = D // 2
     block_d = next_pow2(half)
     block_h = min(next_pow2(H), max(1, 4096 // block_d))
-    grid = (T, triton.cdiv(H, block_h))
+    grid = (T, cdiv(H, block_h))
     _rotary_kernel[grid](
         x, cos, sin, out,
         x.stride(0), x.stride(1), cos.stride(0), sin.stride(0), out.stride(0), out.stride(1),

@@ -7,11 +7,13 @@ a split with no keys). The merge weighs each split by exp2(lse_s - max lse).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_impl.common import next_pow2
+from kernels.triton_impl.common import cdiv, next_pow2
 
 
 @triton.jit
@@ -59,16 +61,17 @@ def merge_splits(part_o: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor
     )  # fmt: skip
 
 
+@functools.lru_cache(maxsize=256)  # called per layer and step with the same few shapes
 def choose_num_splits(
     programs: int, max_context: int, sm_count: int, per_sm: int = 1, min_tokens: int = 256, max_splits: int = 16
 ) -> int:
     """Splits per (sequence, head block) for a grid of `programs` (before splitting), when
     `per_sm` programs fit on a multiprocessor at once: the fewest splits that minimise
     waves / splits (the time of one split's share), never below `min_tokens` keys a split."""
-    limit = max(1, min(max_splits, triton.cdiv(max_context, min_tokens)))
+    limit = max(1, min(max_splits, cdiv(max_context, min_tokens)))
     best, best_cost = 1, float("inf")
     for s in range(1, limit + 1):
-        cost = triton.cdiv(programs * s, sm_count * per_sm) / s
+        cost = cdiv(programs * s, sm_count * per_sm) / s
         if cost < best_cost - 1e-9:
             best, best_cost = s, cost
     return best

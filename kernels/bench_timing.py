@@ -158,7 +158,7 @@ class Bench:
                 fn = partial(impl.paged_decode_attention, q, cache, bt, lens, scale, num_splits=splits, config=cfg)
                 self.add("paged_decode_attention", shape, fn, nbytes, flops, tag=f"sweep {cfg} splits={splits}")
 
-    def mla(self, B: int, ctx: int, H: int, lora: int = 512, rope: int = 64, page: int = 16):
+    def mla(self, B: int, ctx: int, H: int, lora: int = 512, rope: int = 64, page: int = 64, tl_row: bool = True):
         W = ctx // page
         cache = torch.randn(B * W + 1, page, lora + rope, device=DEV, dtype=BF16)
         bt = torch.randperm(B * W + 1, device=DEV)[: B * W].view(B, W).to(torch.int32)
@@ -167,15 +167,15 @@ class Bench:
         scale = 192**-0.5
         nbytes = B * ctx * (lora + rope) * 2 + qn.nbytes * 2 + qp.nbytes + bt.nbytes
         flops = 2 * B * H * ctx * (lora + rope + lora)
-        shape = f"B={B} ctx={ctx} H={H} lora={lora} rope={rope}"
+        shape = f"B={B} ctx={ctx} H={H} lora={lora} rope={rope} page={page}"
         impl = triton_module("mla_decode")
         args = (qn, qp, cache, bt, lens, scale)
         self.add("mla_decode_attention", shape, lambda: impl.mla_decode_attention(*args), nbytes, flops,
                  "torch ref", lambda: mla_decode_attention_ref(*args))  # fmt: skip
-        # the tl.dot kernel in the same run: what the sm_90 warp-group kernels gain over it
-        tl_cfg = {**impl.default_config(H, lora), "kernel": "tl"}
-        self.add("mla_decode_attention", shape, partial(impl.mla_decode_attention, *args, config=tl_cfg),
-                 nbytes, flops, tag="tl.dot kernel")  # fmt: skip
+        if tl_row:  # the tl.dot kernel in the same run: what the sm_90 warp-group kernels gain over it
+            tl_cfg = {**impl.default_config(H, lora), "kernel": "tl"}
+            self.add("mla_decode_attention", shape, partial(impl.mla_decode_attention, *args, config=tl_cfg),
+                     nbytes, flops, tag="tl.dot kernel")  # fmt: skip
         if self.sweeps("mla_decode_attention"):
             cfgs = [c for c in impl.CANDIDATES if (c["BLOCK_H"] <= 16) == (H <= 16)]
             ref = mla_decode_attention_ref(*args).float()
@@ -334,9 +334,11 @@ def run_timings(
         b.decode(64, 4096, 64, tiles=False)
         b.decode(4, 32768, 32, tiles=False)
     if want("mla_decode_attention"):
+        # pages of 64 tokens: the engine's KV block for MLA models on CUDA (engine_args.default_block_size)
         b.mla(64, 4096, 16)  # a tensor-parallel rank's share of DeepSeek-V3's heads at TP 8
         b.mla(64, 4096, 32)  # ... at TP 4
         b.mla(64, 4096, 128)  # all heads on one GPU (data-parallel attention)
+        b.mla(64, 4096, 128, page=16, tl_row=False)  # --block-size 16
     if want("paged_prefill_attention"):
         b.prefill([0], [8192])
         b.prefill([4096] * 4, [2048] * 4)

@@ -18,7 +18,9 @@ def add_parser(sub) -> None:
     p.add_argument("--colocated", action="store_true", help="one NORMAL engine per replica instead of P/D pools")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/* and gRPC")
     p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument(
+        "--block-size", type=int, default=None, help="tokens per KV block (default: 64 for MLA models on CUDA, else 16)"
+    )
     p.add_argument("--num-blocks", type=int, default=None, help="KV blocks per engine (default: measured)")
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--dtype", default="auto")

@@ -106,6 +106,30 @@ def test_bf16_on_gpu_stays_close_to_transformers(checkpoint):
     assert max(abs(a - b) for a, b in zip(got, want)) < 0.1
 
 
+@pytest.mark.parametrize("block_size", [None, 16])
+def test_mla_model_on_gpu_takes_64_token_blocks_and_equals_transformers(tmp_path, block_size):
+    """DeepSeek-V3 (a latent cache) on CUDA defaults to 64-token KV blocks (engine_args.default_block_size).
+    In fp32, at that size and at 16: prompt log-probs over 100 tokens (two blocks of 64 and part of a
+    third) match transformers, and so do 12 greedy tokens decoded across the block boundary."""
+    hf = save_hf_checkpoint("deepseek_v3", tmp_path, seed=3)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(f"{TINY_MODEL_DIR}/{name}", tmp_path / name)
+    hf.generation_config.eos_token_id = None
+    prompt = _prompts()[5]
+    llm = LLM(
+        str(tmp_path), device="cuda", dtype="float32", max_model_len=256, num_gpu_blocks=64, block_size=block_size
+    )
+    assert llm.engine.scheduler.block_manager.block_size == (block_size or 64)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, prompt_logprobs=0)
+    out = llm.generate([{"prompt_token_ids": prompt}], params)[0]
+    got = [out.prompt_logprobs[i][prompt[i]] for i in range(1, len(prompt))]
+    with torch.inference_mode():
+        lp = torch.log_softmax(hf(torch.tensor([prompt])).logits[0].float(), -1)
+    want = [lp[i - 1, prompt[i]].item() for i in range(1, len(prompt))]
+    assert max(abs(a - b) for a, b in zip(got, want)) < 1e-3
+    assert out.outputs[0].token_ids == _hf(hf, prompt, 12)
+
+
 def test_prompt_engine_captures_no_graphs(checkpoint):
     path, _ = checkpoint
     llm = LLM(

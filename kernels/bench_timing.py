@@ -63,9 +63,10 @@ def cold_ms(fn: Callable[[], object], rep: int, flush: str = "read") -> float:
     starts as cold, with nothing to write back.
 
     The stream is held by a GPU spin before each flush, longer than the host takes to launch `fn`,
-    so the start event never fires while the host is still launching: an MLA op takes 130-235 us of
-    host time a call, more than its 80 us on the GPU plus the flush's, and `do_bench` then timed the
-    host (159-176 us for ops of 80-85, 2x in whole runs; deploy/benchmarks.md)."""
+    so the start event never fires while the host is still launching. An MLA op took 130-235 us of
+    host time a call, more than its 80 us on the GPU plus the flush's, and the timing then included
+    the host: 159-176 us for ops of 80-85 in one probe, and 1.5-2x in 8 of 21 MLA rows of one day's
+    runs (deploy/benchmarks.md)."""
     if flush == "memset":
         return do_bench(fn, warmup=10, rep=rep, return_mode="median")
     buf, out = _flush_buffers()

@@ -36,6 +36,11 @@ tokens):
   137.4 us. The loads alone are no faster with multicast (105.2 against 95.6 us / 93.2 against
   92.4): each multiprocessor still takes in 144 KiB a step (deploy/benchmarks.md).
 
+Where the time goes now (after a read flush, deploy/benchmarks.md; pages of 64 / 16 tokens): the
+kernel 126.9 / 134.9 us, its loads alone 78.1 / 84.1, its consumers alone 113.6 / 115.6. At 16-token
+pages half a block is 16-20 boxes instead of 4-5, and issuing them sits on the refill chain; the
+engine gives MLA models 64-token blocks on CUDA (`engine_args.default_block_size`).
+
 The output. Every program stores its 64 x 512 outputs at the same moment, at the end. From the
 accumulator's layout (two adjacent values of a row per thread) that took ~5 us of the kernel's ~130
 (per-program %globaltimer marks: 0.5 us without the store). Each group now writes its half into a

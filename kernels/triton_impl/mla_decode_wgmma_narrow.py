@@ -15,10 +15,12 @@ So every instruction carries real heads and the work per tile is a quarter of th
 kernel's. One warp group per program; latent tiles stream through two shared-memory stages by
 `cp.async`. Shared memory: 2 stages x 72 KiB + Q (≤ 36 KiB) + P^T.
 
-The op is bound by the card's read rate: on an H200 this kernel's loads alone take 82-85 us at
-batch 64 and 4k context, as long from 64 multiprocessors as from 128, and the kernel 85-89 us. A
-producer warp bringing the tiles by TMA was 1-2 us slower; merging the splits in the kernel (the
-last split merges, by a ticket) saved 0.6-1.3 us of the merge's ~4 (deploy/benchmarks.md).
+The op is bound by the card's read rate. On an H200 at batch 64 and 4k context (timed after a
+read flush, deploy/benchmarks.md) this kernel's loads alone take 72.6-75.1 us, 0.96-0.99 of the
+memory floor, and the kernel at 2 splits 75.0-79.6 us; the op adds the merge, 3.4-4.8 us. Under
+`do_bench`'s memset flush the loads took as long from 64 multiprocessors as from 128. A producer
+warp bringing the tiles by TMA was 1-2 us slower; merging the splits in the kernel (the last split
+merges, by a ticket) saved 0.6-1.3 us of the merge (both measured under that flush).
 """
 
 from __future__ import annotations

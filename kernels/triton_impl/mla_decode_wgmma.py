@@ -39,7 +39,13 @@ tokens):
 Where the time goes now (after a read flush, deploy/benchmarks.md; pages of 64 / 16 tokens): the
 kernel 126.9 / 134.9 us, its loads alone 78.1 / 84.1, its consumers alone 113.6 / 115.6. At 16-token
 pages half a block is 16-20 boxes instead of 4-5, and issuing them sits on the refill chain; the
-engine gives MLA models 64-token blocks on CUDA (`engine_args.default_block_size`).
+engine gives MLA models 64-token blocks on CUDA (`engine_args.default_block_size`). Since then a
+64-token block's half comes as one 3D box (2 with the rope columns) and TMA-filled blocks skip the
+consumers' proxy fences: 128.8 -> 127.6 us at 64-token pages, 136.1 -> 135.4 at 16 (the fences only).
+Of the 127.6 us, ~11-13 are a fixed cost: the kernel at zero length takes 10.7-11.0 us (a
+one-element fill 3.7-3.8, launch and events), a fit over 1k-8k contexts gives 12.7 us + 28.1 us per
+1k tokens (3.5 us a 128-token step). Q's 9.4 MB read before the first step and the output's 8.4 MB
+written after the last are ~4.2 us at the copy rate, and the tensor cores wait through both.
 
 The output. Every program stores its 64 x 512 outputs at the same moment, at the end. From the
 accumulator's layout (two adjacent values of a row per thread) that took ~5 us of the kernel's ~130
@@ -70,7 +76,13 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from kernels.triton_impl.common import cdiv
-from kernels.triton_impl.mla_sm90_common import _async_load, _tma_load, _tma_store, sm90_latent_operands
+from kernels.triton_impl.mla_sm90_common import (
+    PUBLIC_REINTERPRET,
+    _async_load,
+    _tma_load,
+    _tma_store,
+    sm90_latent_operands,
+)
 
 BLOCK_H = 64
 BLOCK_N = 64  # tokens per block; a step is two blocks
@@ -101,23 +113,31 @@ L_READY = gl.constexpr(16)  # both groups' row sums are published (count 2)
 NUM_BARRIERS = gl.constexpr(17)
 LEFT = gl.constexpr(0)
 RIGHT = gl.constexpr(1)
+# A K buffer [2, 64, 512] seen as 16 tiles of 64 rows x 64 columns (its layout stores each 64-column
+# chunk as such a tile), the destination of 3D TMA boxes of four chunks.
+CHUNKS_LAYOUT = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=3))
 
 
 @gluon.jit
-def _scores(qn_smem, qr, kbuf, krbuf, bars, buf: gl.constexpr, first: gl.constexpr, ph, s_layout: gl.constexpr):
+def _scores(qn_smem, qr, kbuf, krbuf, bars, buf: gl.constexpr, first: gl.constexpr, ph, gathered,
+            s_layout: gl.constexpr):  # fmt: skip
     """S = Q_nope · K_c^T + Q_rope · K_r^T for one 64-token block (Q's rope columns from registers):
-    the `first` column half and the rope columns as soon as they have landed, then the other half."""
+    the `first` column half and the rope columns as soon as they have landed, then the other half.
+    `gathered`: the producer wrote the block by `cp.async` (the generic proxy), so the tensor core's
+    reads need a proxy fence; TMA writes through the async proxy and needs none."""
     BLOCK_H: gl.constexpr = qn_smem.shape[0]
     BLOCK_N: gl.constexpr = kbuf.shape[0]
     HALF: gl.constexpr = qn_smem.shape[1] // 2
     s = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=s_layout)
     mbarrier.wait(bars.index(K_FULL + 2 * buf + first), ph)
-    fence_async_shared()  # rows the producer may have written by cp.async, for the tensor core's reads
+    if gathered:
+        fence_async_shared()
     s = warpgroup_mma(qn_smem.slice(first * HALF, HALF, dim=1), kbuf.slice(first * HALF, HALF, dim=1).permute((1, 0)),
                       s, use_acc=False, is_async=True)  # fmt: skip
     s = warpgroup_mma(qr, krbuf.permute((1, 0)), s, is_async=True)  # the rope rows came with the first half
     mbarrier.wait(bars.index(K_FULL + 2 * buf + (1 - first)), ph)
-    fence_async_shared()
+    if gathered:
+        fence_async_shared()
     s = warpgroup_mma(qn_smem.slice((1 - first) * HALF, HALF, dim=1),
                       kbuf.slice((1 - first) * HALF, HALF, dim=1).permute((1, 0)), s, is_async=True)  # fmt: skip
     return warpgroup_mma_wait(num_outstanding=0, deps=(s,))
@@ -139,8 +159,8 @@ def _p_operand(p, dtype: gl.constexpr, o_layout: gl.constexpr):
 @gluon.jit
 def _consumer0(qn_smem, qp_smem, kc_smem, kr_smem, p0_smem, m_smem, l_smem, bars, qn_base, qp_base,
                stride_qnh, stride_qph, NUM_HEADS, hb, start, end, n_steps, qk_scale, out_base, stride_oh, lse_base,
-               stride_lh, out_desc, out_row, WRITE_LSE: gl.constexpr, s_layout: gl.constexpr,
-               o_layout: gl.constexpr):  # fmt: skip
+               stride_lh, out_desc, out_row, WRITE_LSE: gl.constexpr, USE_TMA: gl.constexpr,
+               s_layout: gl.constexpr, o_layout: gl.constexpr):  # fmt: skip
     """Group 0: loads Q, scores the first block of every step, owns output dims [0, 256)."""
     BLOCK_H: gl.constexpr = qn_smem.shape[1]
     LORA: gl.constexpr = qn_smem.shape[2]
@@ -169,7 +189,8 @@ def _consumer0(qn_smem, qp_smem, kc_smem, kr_smem, p0_smem, m_smem, l_smem, bars
         z = j >> 30  # 0, but not provably: the buffers' descriptors are rebuilt in the loop, not hoisted and spilled
         n0 = start + j * (2 * BLOCK_N)
         # K0's left half is refilled first (group 0 frees it early): start there
-        s = _scores(qn_smem.index(z), qr, kc_smem.index(z), kr_smem.index(z), bars, 0, LEFT, ph, s_layout)
+        gathered = (not USE_TMA) or n0 + BLOCK_N > end  # as _load_half decides
+        s = _scores(qn_smem.index(z), qr, kc_smem.index(z), kr_smem.index(z), bars, 0, LEFT, ph, gathered, s_layout)
         s = _mask_scale(s, n0, end, qk_scale, s_layout)
         m0 = gl.maximum(m_i, gl.max(s, axis=1))
         m_smem[0].store(m0)
@@ -207,7 +228,7 @@ def _consumer0(qn_smem, qp_smem, kc_smem, kr_smem, p0_smem, m_smem, l_smem, bars
 
 @gluon.jit
 def _consumer1(qn_smem, qp_smem, kc_smem, kr_smem, p0_smem, m_smem, l_smem, bars, NUM_HEADS, hb, start, end, n_steps,
-               qk_scale, out_base, stride_oh, out_desc, out_row, s_layout: gl.constexpr,
+               qk_scale, out_base, stride_oh, out_desc, out_row, USE_TMA: gl.constexpr, s_layout: gl.constexpr,
                o_layout: gl.constexpr):  # fmt: skip
     """Group 1: scores the second block of every step, owns output dims [256, 512)."""
     BLOCK_H: gl.constexpr = qn_smem.shape[1]
@@ -227,7 +248,9 @@ def _consumer1(qn_smem, qp_smem, kc_smem, kr_smem, p0_smem, m_smem, l_smem, bars
         z = j >> 30  # see _consumer0
         n1 = start + j * (2 * BLOCK_N) + BLOCK_N
         # K1's right half is refilled first (group 1 frees it mid-step): start there
-        s = _scores(qn_smem.index(z), qr, kc_smem.index(1 + z), kr_smem.index(1 + z), bars, 1, RIGHT, ph, s_layout)
+        gathered = (not USE_TMA) or n1 + BLOCK_N > end
+        s = _scores(qn_smem.index(z), qr, kc_smem.index(1 + z), kr_smem.index(1 + z), bars, 1, RIGHT, ph, gathered,
+                    s_layout)  # fmt: skip
         s = _mask_scale(s, n1, end, qk_scale, s_layout)
         mbarrier.wait(bars.index(M0_READY), ph)
         m0 = m_smem[0].load(row_layout)
@@ -292,27 +315,27 @@ def _finish(acc, l_i, m_i, g: gl.constexpr, l_smem, kc_smem, bars, hb, NUM_HEADS
 
 
 @gluon.jit
-def _producer(kc_smem, kr_smem, bars, cache_ptr, cache_desc, bt_row, start, end, n_steps, stride_cb, stride_cs,
-              PAGE: gl.constexpr, USE_TMA: gl.constexpr, buf: gl.constexpr):  # fmt: skip
+def _producer(kc_smem, kr_smem, bars, cache_ptr, cache_desc, chunk_desc, bt_row, start, end, n_steps, stride_cb,
+              stride_cs, PAGE: gl.constexpr, USE_TMA: gl.constexpr, buf: gl.constexpr):  # fmt: skip
     """Buffer `buf`'s block of every step (rows past `end` read zeros): its early half first."""
     BLOCK_N: gl.constexpr = kc_smem.shape[1]
     for j in range(n_steps):
         r0 = start + j * (2 * BLOCK_N) + buf * BLOCK_N
-        _load_half(kc_smem, kr_smem, bars, cache_ptr, cache_desc, bt_row, r0, end, j, stride_cb, stride_cs, buf, buf,
-                   PAGE, USE_TMA)  # fmt: skip
-        _load_half(kc_smem, kr_smem, bars, cache_ptr, cache_desc, bt_row, r0, end, j, stride_cb, stride_cs, buf, 1 - buf,
-                   PAGE, USE_TMA)  # fmt: skip
+        _load_half(kc_smem, kr_smem, bars, cache_ptr, cache_desc, chunk_desc, bt_row, r0, end, j, stride_cb,
+                   stride_cs, buf, buf, PAGE, USE_TMA)  # fmt: skip
+        _load_half(kc_smem, kr_smem, bars, cache_ptr, cache_desc, chunk_desc, bt_row, r0, end, j, stride_cb,
+                   stride_cs, buf, 1 - buf, PAGE, USE_TMA)  # fmt: skip
 
 
 @gluon.jit
-def _load_half(kc_smem, kr_smem, bars, cache_ptr, cache_desc, bt_row, r0, end, j, stride_cb, stride_cs,
+def _load_half(kc_smem, kr_smem, bars, cache_ptr, cache_desc, chunk_desc, bt_row, r0, end, j, stride_cb, stride_cs,
                buf: gl.constexpr, half: gl.constexpr, PAGE: gl.constexpr, USE_TMA: gl.constexpr):  # fmt: skip
     """Step j's rows [r0, r0 + BLOCK_N) into buffer `buf`, one column half (with the rope columns if it
     is the buffer's early half), once its last reader has freed it."""
     mbarrier.wait(bars.index(K_EMPTY + 2 * buf + half), (j & 1) ^ 1)
     if USE_TMA:
         if r0 + kc_smem.shape[1] <= end:
-            _tma_half(kc_smem, kr_smem, bars, cache_desc, bt_row, r0, buf, half, PAGE)
+            _tma_half(kc_smem, kr_smem, bars, cache_desc, chunk_desc, bt_row, r0, buf, half, PAGE)
         else:  # a split's partial last block: zeros past the end
             _gather_half(kc_smem, kr_smem, bars, cache_ptr, bt_row, r0, end, stride_cb, stride_cs, buf, half, PAGE)
     else:
@@ -320,10 +343,13 @@ def _load_half(kc_smem, kr_smem, bars, cache_ptr, cache_desc, bt_row, r0, end, j
 
 
 @gluon.jit
-def _tma_half(kc_smem, kr_smem, bars, cache_desc, bt_row, r0, buf: gl.constexpr, half: gl.constexpr,
+def _tma_half(kc_smem, kr_smem, bars, cache_desc, chunk_desc, bt_row, r0, buf: gl.constexpr, half: gl.constexpr,
               PAGE: gl.constexpr):  # fmt: skip
-    """A whole block's half by TMA, in boxes of ROWS rows (a page, or the block's piece of a longer
-    one) x 64 columns (128 bytes, the swizzle's width)."""
+    """A whole block's half by TMA. Where the block lies in one page (pages of 64 tokens or more), the
+    half's four 64-column chunks come as one 3D box of `chunk_desc` (4 chunks x 64 rows x 64 columns),
+    which lands as the four 2D boxes would: the buffer keeps each 64-column chunk as a [64, 64] tile of
+    its own in the 128-byte swizzle. So a half is 2 boxes with the rope columns instead of 5. Shorter
+    pages come in boxes of ROWS rows (a page) x 64 columns (128 bytes, the swizzle's width)."""
     BLOCK_N: gl.constexpr = kc_smem.shape[1]
     LORA: gl.constexpr = kc_smem.shape[2]
     ROPE: gl.constexpr = kr_smem.shape[2]
@@ -336,9 +362,17 @@ def _tma_half(kc_smem, kr_smem, bars, cache_desc, bt_row, r0, buf: gl.constexpr,
     for p in gl.static_range(BLOCK_N // ROWS):
         n = r0 + p * ROWS
         row = gl.load(bt_row + n // PAGE) * PAGE + n % PAGE
-        for c in gl.static_range(HALF // 64):
-            _tma_load(cache_desc, [row, half * HALF + c * 64], full,
-                      kc_smem.index(buf).slice(half * HALF + c * 64, 64, dim=1).slice(p * ROWS, ROWS, dim=0))  # fmt: skip
+        if ROWS == BLOCK_N:
+            if PUBLIC_REINTERPRET:
+                chunks = kc_smem.reinterpret(kc_smem.dtype, [2 * (LORA // 64), BLOCK_N, 64], CHUNKS_LAYOUT)
+            else:
+                chunks = kc_smem._reinterpret(kc_smem.dtype, [2 * (LORA // 64), BLOCK_N, 64], CHUNKS_LAYOUT)
+            _tma_load(chunk_desc, [half * (HALF // 64), row, 0], full,
+                      chunks.slice(buf * (LORA // 64) + half * (HALF // 64), HALF // 64, dim=0))  # fmt: skip
+        else:
+            for c in gl.static_range(HALF // 64):
+                chunk = kc_smem.index(buf).slice(half * HALF + c * 64, 64, dim=1)
+                _tma_load(cache_desc, [row, half * HALF + c * 64], full, chunk.slice(p * ROWS, ROWS, dim=0))
         if half == buf:
             _tma_load(cache_desc, [row, LORA], full, kr_smem.index(buf).slice(p * ROWS, ROWS, dim=0))
 
@@ -370,7 +404,7 @@ def _gather_half(kc_smem, kr_smem, bars, cache_ptr, bt_row, r0, end, stride_cb, 
 
 @gluon.jit
 def _mla_decode_wgmma_kernel(
-    qn_ptr, qp_ptr, cache_ptr, cache_desc, out_desc, bt_ptr, seq_lens_ptr, out_ptr, lse_ptr,
+    qn_ptr, qp_ptr, cache_ptr, cache_desc, chunk_desc, out_desc, bt_ptr, seq_lens_ptr, out_ptr, lse_ptr,
     stride_qnb, stride_qnh, stride_qpb, stride_qph, stride_cb, stride_cs, stride_btb,
     stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
     qk_scale, NUM_HEADS, num_splits,
@@ -431,13 +465,14 @@ def _mla_decode_wgmma_kernel(
         [
             (_consumer0, (qn_smem, qp_smem, kc_smem, kr_smem, p0_smem, m_smem, l_smem, bars, qn_base, qp_base,
                           stride_qnh, stride_qph, NUM_HEADS, hb, start, end, n_steps, qk_scale, out_base, stride_oh,
-                          lse_base, stride_lh, out_desc, out_row, WRITE_LSE, s_layout, o_layout)),
+                          lse_base, stride_lh, out_desc, out_row, WRITE_LSE, USE_TMA, s_layout, o_layout)),
             (_consumer1, (qn_smem, qp_smem, kc_smem, kr_smem, p0_smem, m_smem, l_smem, bars, NUM_HEADS, hb, start,
-                          end, n_steps, qk_scale, out_base, stride_oh, out_desc, out_row, s_layout, o_layout)),
-            (_producer, (kc_smem, kr_smem, bars, cache_ptr, cache_desc, bt_row, start, end, n_steps, stride_cb, stride_cs,
-                         PAGE, USE_TMA, 0)),
-            (_producer, (kc_smem, kr_smem, bars, cache_ptr, cache_desc, bt_row, start, end, n_steps, stride_cb, stride_cs,
-                         PAGE, USE_TMA, 1)),
+                          end, n_steps, qk_scale, out_base, stride_oh, out_desc, out_row, USE_TMA, s_layout,
+                          o_layout)),
+            (_producer, (kc_smem, kr_smem, bars, cache_ptr, cache_desc, chunk_desc, bt_row, start, end, n_steps,
+                         stride_cb, stride_cs, PAGE, USE_TMA, 0)),
+            (_producer, (kc_smem, kr_smem, bars, cache_ptr, cache_desc, chunk_desc, bt_row, start, end, n_steps,
+                         stride_cb, stride_cs, PAGE, USE_TMA, 1)),
         ],
         [4, PRODUCER_WARPS, PRODUCER_WARPS],
         [CONSUMER_REGS, PRODUCER_REGS, PRODUCER_REGS],
@@ -457,15 +492,25 @@ def _box_layout(rows: int, fp16: bool):
     return gl.NVMMASharedLayout.get_default_for([rows, 64], gl.float16 if fp16 else gl.bfloat16)
 
 
-def _rows_descriptor(latent_cache: torch.Tensor):
-    """A TMA descriptor over the cache as one [pages x page, 576] matrix, or None where TMA cannot read it
-    (pages not back to back, pages under 8 rows, a base not 16-byte aligned)."""
+def _rows_descriptors(latent_cache: torch.Tensor):
+    """TMA descriptors over the cache: as one [pages x page, 576] matrix in boxes of min(page, 64) rows x
+    64 columns, and, for pages of 64 rows or more, as [9 column chunks, pages x page rows, 64] in boxes
+    of 4 chunks x 64 rows x 64 (else None). (None, None) where TMA cannot read the cache (pages not back
+    to back, pages under 8 rows, a base not 16-byte aligned)."""
     pages, page, width = latent_cache.shape
     if page < 8 or latent_cache.stride(0) != page * latent_cache.stride(1) or latent_cache.data_ptr() % 16:
-        return None
-    rows = latent_cache.as_strided((pages * page, width), (latent_cache.stride(1), 1))
+        return None, None
+    row_stride = latent_cache.stride(1)
+    rows = latent_cache.as_strided((pages * page, width), (row_stride, 1))
     box = min(page, BLOCK_N)
-    return TensorDescriptor.from_tensor(rows, [box, 64], _box_layout(box, latent_cache.dtype == torch.float16))
+    desc = TensorDescriptor.from_tensor(rows, [box, 64], _box_layout(box, latent_cache.dtype == torch.float16))
+    if page < BLOCK_N:
+        return desc, None
+    # the chunk index is an outer dimension with a smaller stride than the rows': TMA takes any strides
+    # that are multiples of 16 bytes
+    chunks = TensorDescriptor(latent_cache, [width // 64, pages * page, 64], [64, row_stride, 1],
+                              [4, BLOCK_N, 64], CHUNKS_LAYOUT.value)  # fmt: skip
+    return desc, chunks
 
 
 def _output_descriptor(o: torch.Tensor, num_splits: int):
@@ -486,9 +531,9 @@ def launch(q_nope, q_pe, latent_cache, block_tables, seq_lens, qk_scale, o, o_st
            num_splits: int) -> None:  # fmt: skip
     """Run the kernel into `o` (the output, or the split partials with `lse`)."""
     B, H, lora = q_nope.shape
-    desc = _rows_descriptor(latent_cache)
+    desc, chunk_desc = _rows_descriptors(latent_cache)
     _mla_decode_wgmma_kernel[(cdiv(H, BLOCK_H), B, num_splits)](
-        q_nope, q_pe, latent_cache, desc, _output_descriptor(o, num_splits), block_tables, seq_lens, o, lse,
+        q_nope, q_pe, latent_cache, desc, chunk_desc, _output_descriptor(o, num_splits), block_tables, seq_lens, o, lse,
         q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1),
         latent_cache.stride(0), latent_cache.stride(1), block_tables.stride(0),
         *o_strides, *lse_strides, qk_scale, H, num_splits,

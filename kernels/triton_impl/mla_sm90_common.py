@@ -16,6 +16,8 @@ _async_load = getattr(cp, "async_load", None) or cp.async_copy_global_to_shared
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
 _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
+# A shared-memory view under another shape and layout: `_reinterpret` in 3.6, `reinterpret` later.
+PUBLIC_REINTERPRET = gl.constexpr(hasattr(gl.shared_memory_descriptor, "reinterpret"))
 
 
 @gluon.jit

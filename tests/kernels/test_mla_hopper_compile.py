@@ -13,10 +13,12 @@ build them for sm_90 with the installed Triton and check what each kernel's desi
   register spills (a spill in the loop would cost more than the tiling saves).
 - The warp-specialised kernel brings whole blocks by TMA: per producer (one per buffer) and
   128-token step, its block in boxes of one 16-token page x 64 columns: 4 pages x (8 latent + 1 rope)
-  = 36, so 72 in the kernel; without a TMA descriptor (pages under 8 tokens, pages not back to
-  back) it gathers by `cp.async` and issues none. With a descriptor for the output (whole blocks of
-  heads, no split partials) each consumer group stores its half of the output by TMA: 4 boxes of 64
-  heads x 64 dims, 8 in the kernel.
+  = 36, so 72 in the kernel. At 64-token pages a block lies in one page and each half of its latent
+  columns is one 3D box (4 chunks x 64 rows x 64 columns): 2 3D boxes and 1 rope box a producer,
+  4 + 2 in the kernel. Without a TMA descriptor (pages under 8 tokens, pages not back to back) it
+  gathers by `cp.async` and issues none. With a descriptor for the output (whole blocks of heads, no
+  split partials) each consumer group stores its half of the output by TMA: 4 boxes of 64 heads x 64
+  dims, 8 in the kernel.
 """
 
 from __future__ import annotations
@@ -44,37 +46,45 @@ STRIDES = ("stride_qnb", "stride_qnh", "stride_qpb", "stride_qph", "stride_cb", 
 
 
 HEADS_AS_ROWS = {"m64n64k16": 72, "m64n256k16": 16}
-# name: (module, kernel, heads per tile, split partials, TMA, instruction shape -> count, TMA boxes
-# loaded, TMA boxes stored, stack bytes allowed). The warp-specialised kernel may keep a few values
+# name: (module, kernel, heads per tile, split partials, TMA, page, instruction shape -> count, TMA
+# boxes loaded (2D, 3D), TMA boxes stored, stack bytes allowed). The warp-specialised kernel may keep a few values
 # on the stack: none with Triton 3.6 (8 bytes in its `cp.async` producers), 96 bytes with Triton 3.9
 # (a few values of the second consumer and the producers' partial-block row addresses). What it must
 # not do is spill its consumers' operands, which took 384-504 bytes of stack when its buffers'
 # shared-memory descriptors were hoisted out of the loops.
 WS = (mla_decode_wgmma, "_mla_decode_wgmma_kernel", 64)
 KERNELS = {
-    "heads as rows": (*WS, False, True, HEADS_AS_ROWS, 72, 8, 128),
-    "heads as rows, split partials": (*WS, True, True, HEADS_AS_ROWS, 72, 0, 128),
-    "heads as rows, cp.async": (*WS, False, False, HEADS_AS_ROWS, 0, 8, 128),
-    "tokens as rows, 16 heads": (mla_decode_wgmma_narrow, "_mla_decode_narrow_kernel", 16, True, None,
-                                 {"m64n16k16": 68}, 0, 0, 0),
-    "tokens as rows, 32 heads": (mla_decode_wgmma_narrow, "_mla_decode_narrow_kernel", 32, True, None,
-                                 {"m64n32k16": 68}, 0, 0, 0),
+    "heads as rows": (*WS, False, True, 16, HEADS_AS_ROWS, (72, 0), 8, 128),
+    "heads as rows, 64-token pages": (*WS, False, True, 64, HEADS_AS_ROWS, (2, 4), 8, 128),
+    "heads as rows, split partials": (*WS, True, True, 16, HEADS_AS_ROWS, (72, 0), 0, 128),
+    "heads as rows, cp.async": (*WS, False, False, 16, HEADS_AS_ROWS, (0, 0), 8, 128),
+    "tokens as rows, 16 heads": (mla_decode_wgmma_narrow, "_mla_decode_narrow_kernel", 16, True, None, 16,
+                                 {"m64n16k16": 68}, (0, 0), 0, 0),
+    "tokens as rows, 32 heads": (mla_decode_wgmma_narrow, "_mla_decode_narrow_kernel", 32, True, None, 16,
+                                 {"m64n32k16": 68}, (0, 0), 0, 0),
 }  # fmt: skip
 
 
 @pytest.fixture(scope="module", params=list(KERNELS))
 def compiled(request):
-    module, name, block_h, write_lse, use_tma = KERNELS[request.param][:5]
+    module, name, block_h, write_lse, use_tma, page = KERNELS[request.param][:6]
     fn = getattr(module, name)
-    consts = dict(LORA=512, ROPE=64, PAGE=16, BLOCK_H=block_h, BLOCK_N=module.BLOCK_N, WRITE_LSE=write_lse)
+    consts = dict(LORA=512, ROPE=64, PAGE=page, BLOCK_H=block_h, BLOCK_N=module.BLOCK_N, WRITE_LSE=write_lse)
     sig = {name: "*bf16" for name in POINTERS} | {"bt_ptr": "*i32", "seq_lens_ptr": "*i32", "lse_ptr": "*fp32"}
     sig |= {name: "i32" for name in STRIDES} | {"qk_scale": "fp32", "NUM_HEADS": "i32", "num_splits": "i32"}
     if use_tma is not None:
         consts["USE_TMA"] = use_tma
-        box = gl.NVMMASharedLayout.get_default_for([16, 64], gl.bfloat16)
-        sig["cache_desc"] = f"tensordesc<bf16[16, 64],{box!r}>" if use_tma else "constexpr"
+        rows = min(page, module.BLOCK_N)
+        box = gl.NVMMASharedLayout.get_default_for([rows, 64], gl.bfloat16)
+        sig["cache_desc"] = f"tensordesc<bf16[{rows}, 64],{box!r}>" if use_tma else "constexpr"
         if not use_tma:
             consts["cache_desc"] = None
+        # a block in one page: each half's latent columns as one 3D box of 4 chunks
+        if use_tma and page >= module.BLOCK_N:
+            sig["chunk_desc"] = f"tensordesc<bf16[4, {rows}, 64],{module.CHUNKS_LAYOUT.value!r}>"
+        else:
+            sig["chunk_desc"] = "constexpr"
+            consts["chunk_desc"] = None
         # the output by TMA: whole blocks of heads, no split partials
         out_box = gl.NVMMASharedLayout.get_default_for([block_h, 64], gl.bfloat16)
         sig["out_desc"] = "constexpr" if write_lse else f"tensordesc<bf16[{block_h}, 64],{out_box!r}>"
@@ -97,7 +107,8 @@ def test_each_tile_issues_its_tensor_core_work_once(compiled) -> None:
 def test_whole_blocks_come_and_go_by_tma(compiled) -> None:
     kernel, _, loaded, stored, _ = compiled
     ptx = kernel.asm["ptx"]
-    assert len(re.findall(r"cp\.async\.bulk\.tensor\.2d\.shared::\w+\.global", ptx)) == loaded
+    boxes = tuple(len(re.findall(rf"cp\.async\.bulk\.tensor\.{d}d\.shared::\w+\.global", ptx)) for d in (2, 3))
+    assert boxes == loaded
     assert len(re.findall(r"cp\.async\.bulk\.tensor\.2d\.global\.shared", ptx)) == stored
 
 

@@ -188,8 +188,9 @@ class Checker:
         """The sm_90 warp-group kernels at DeepSeek's latent dims: ragged lengths (tails inside a page,
         a 64-token block and a 128-token step), a partial head block, stale NaN past every sequence,
         splits, page sizes 16, 8, 64 and 128 (TMA boxes of a page; from 64, 3D boxes of a block's
-        four column chunks), 4 and pages that are not back to back (no TMA: `cp.async` rows), and scores that keep rising along
-        each sequence (every block moves the running maximum: the accumulators' rescaling)."""
+        four column chunks), 4 and pages that are not back to back (no TMA: `cp.async` rows), and
+        scores that keep rising along each sequence (every block moves the running maximum: the
+        accumulators' rescaling)."""
         lora, rope = 512, 64
         seq_lens = [1, 37, 300, 129, 64, 1000, 192]
         lens = torch.tensor(seq_lens, dtype=torch.int32, device=self.device)

@@ -45,7 +45,10 @@ consumers' proxy fences: 128.8 -> 127.6 us at 64-token pages, 136.1 -> 135.4 at 
 Of the 127.6 us, ~11-13 are a fixed cost: the kernel at zero length takes 10.7-11.0 us (a
 one-element fill 3.7-3.8, launch and events), a fit over 1k-8k contexts gives 12.7 us + 28.1 us per
 1k tokens (3.5 us a 128-token step). Q's 9.4 MB read before the first step and the output's 8.4 MB
-written after the last are ~4.2 us at the copy rate, and the tensor cores wait through both.
+written after the last are ~4.2 us at the copy rate, and the tensor cores wait through both. The
+copies after the first step add ~15 us: ~8 of it their shared-memory traffic beside the consumers'
+(copies that nobody waits for: 120.3 us; no copies: 112.4), ~7 the consumers waiting for refills,
+which are not DRAM-bound (an L2 prefetch of the next block made it slower: 134.0 us).
 
 The output. Every program stores its 64 x 512 outputs at the same moment, at the end. From the
 accumulator's layout (two adjacent values of a row per thread) that took ~5 us of the kernel's ~130

@@ -188,9 +188,9 @@ class Checker:
         """The sm_90 warp-group kernels at DeepSeek's latent dims: ragged lengths (tails inside a page,
         a 64-token block and a 128-token step), a partial head block, stale NaN past every sequence,
         splits, page sizes 16, 8, 64 and 128 (TMA boxes of a page; from 64, 3D boxes of a block's
-        four column chunks), 4 and pages that are not back to back (no TMA: `cp.async` rows), and
-        scores that keep rising along each sequence (every block moves the running maximum: the
-        accumulators' rescaling)."""
+        four column chunks), 4, 48, 96 (blocks that straddle pages) and pages that are not back to back
+        (no TMA: `cp.async` rows), and scores that keep rising along each sequence (every block moves
+        the running maximum: the accumulators' rescaling)."""
         lora, rope = 512, 64
         seq_lens = [1, 37, 300, 129, 64, 1000, 192]
         lens = torch.tensor(seq_lens, dtype=torch.int32, device=self.device)
@@ -200,7 +200,8 @@ class Checker:
         # columns; 16 again with heads as rows, most of the tile's rows empty
         cases = [(128, "auto", 16), (80, "auto", 16), (32, "auto", 16), (20, "auto", 16), (16, "auto", 16),
                  (16, "wgmma", 16), (128, "auto", 8), (128, "auto", 64), (16, "auto", 64), (128, "auto", 128),
-                 (128, "auto", 4), (128, "auto", -16), (128, "auto", 16, "rising"), (32, "auto", 16, "rising")]  # fmt: skip
+                 (128, "auto", 4), (128, "auto", 48), (128, "auto", 96), (128, "auto", -16),
+                 (128, "auto", 16, "rising"), (32, "auto", 16, "rising")]  # fmt: skip
         for H, kernel, page, *rising in cases:
             apart, page = page < 0, abs(page)  # negative: each page followed by a page-sized gap
             num_blocks, bt = self.paged(seq_lens, page)

@@ -498,10 +498,12 @@ def _box_layout(rows: int, fp16: bool):
 def _rows_descriptors(latent_cache: torch.Tensor):
     """TMA descriptors over the cache: as one [pages x page, 576] matrix in boxes of min(page, 64) rows x
     64 columns, and, for pages of 64 rows or more, as [9 column chunks, pages x page rows, 64] in boxes
-    of 4 chunks x 64 rows x 64 (else None). (None, None) where TMA cannot read the cache (pages not back
-    to back, pages under 8 rows, a base not 16-byte aligned)."""
+    of 4 chunks x 64 rows x 64 (else None). (None, None) where TMA cannot read the cache: pages not back
+    to back, pages under 8 rows, a base not 16-byte aligned, or pages that 64-token blocks do not tile
+    (48 or 96 rows: a block would straddle pages, and a box must stay inside one)."""
     pages, page, width = latent_cache.shape
-    if page < 8 or latent_cache.stride(0) != page * latent_cache.stride(1) or latent_cache.data_ptr() % 16:
+    tiled = BLOCK_N % page == 0 or page % BLOCK_N == 0
+    if page < 8 or not tiled or latent_cache.stride(0) != page * latent_cache.stride(1) or latent_cache.data_ptr() % 16:
         return None, None
     row_stride = latent_cache.stride(1)
     rows = latent_cache.as_strided((pages * page, width), (row_stride, 1))

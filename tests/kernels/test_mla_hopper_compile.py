@@ -28,6 +28,7 @@ import re
 import subprocess
 
 import pytest
+import torch
 
 triton = pytest.importorskip("triton")
 try:
@@ -126,3 +127,25 @@ def test_fits_one_multiprocessor_without_spills(compiled) -> None:
         os.unlink(f.name)
     line = next(ln for ln in usage.splitlines() if "REG:" in ln)
     assert "LOCAL:0 " in line and int(re.search(r"STACK:(\d+)", line).group(1)) <= max_stack, line
+
+
+@pytest.mark.parametrize(
+    "page, boxes",
+    [
+        (4, (None, None)),  # under 8 rows: cp.async
+        (8, ([8, 64], None)),
+        (16, ([16, 64], None)),
+        (48, (None, None)),  # a 64-token block would straddle two pages: cp.async
+        (64, ([64, 64], [4, 64, 64])),  # a block is one page: 3D boxes of a half's four column chunks
+        (96, (None, None)),
+        (128, ([64, 64], [4, 64, 64])),
+    ],
+)
+def test_tma_reads_the_cache_only_where_blocks_tile_its_pages(page, boxes) -> None:
+    """The heads-as-rows kernel's TMA boxes never cross a page: a box is a page or a block's piece of
+    one, so pages that 64-token blocks do not tile (and pages not back to back) are gathered instead."""
+    cache = torch.zeros(6, page, 576, dtype=torch.bfloat16)
+    descs = mla_decode_wgmma._rows_descriptors(cache)
+    assert tuple(d.block_shape if d is not None else None for d in descs) == boxes
+    apart = torch.zeros(6, 2 * page, 576, dtype=torch.bfloat16)[:, :page]  # each page followed by a gap
+    assert mla_decode_wgmma._rows_descriptors(apart) == (None, None)

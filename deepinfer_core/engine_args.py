@@ -24,11 +24,12 @@ from deepinfer_core.engine_type import EngineType
 def default_block_size(hf_config: dict, device: str) -> int:
     """64 tokens for MLA models (a latent cache: DeepSeek-V2/V3) on CUDA, 16 otherwise.
 
-    The sm_90 MLA decode kernel brings a block's latent rows by TMA in boxes of at most one page: half
-    a 64-token block is 4-5 boxes from 64-token pages and 16-20 from 16-token pages, and issuing them
-    sits on the chain that refills a buffer. At 128 heads, batch 64 x 4k on an H200 the op took 126.9 us at 64
-    against 134.8 at 16; at 16 and 32 heads the two were within 2 % (deploy/benchmarks.md). FlashMLA
-    serves from 64-token pages too. Smaller blocks share prefixes at a finer grain, and the CPU path
+    The sm_90 MLA decode kernel brings a block's latent rows by TMA in boxes that stay inside one page:
+    half a 64-token block is 2 boxes from 64-token pages (one 3D box of its four column chunks, and
+    the rope columns) and 16-20 from 16-token pages, and issuing them sits on the chain that refills a
+    buffer. At 128 heads, batch 64 x 4k on an H200 the op took 127.6 us at 64 against 135.4 at 16
+    (126.9 against 134.8 before the 3D boxes, with 4-5 boxes a half); at 16 and 32 heads the two were
+    within 2 % (deploy/benchmarks.md). FlashMLA serves from 64-token pages too. Smaller blocks share prefixes at a finer grain, and the CPU path
     gains nothing from larger ones."""
     if device.startswith("cuda") and hf_config.get("kv_lora_rank"):
         return 64

@@ -8,7 +8,9 @@ tokens (`m64n32k16`, bound by shared-memory reads of Q), and the tensor cores id
 softmax and the cross-group maximum. Here:
 
 - a step is two 64-token blocks in two buffers K0, K1; consumer group g scores block g alone
-  (`m64n64k16`: as many bytes read from shared memory as the tensor core consumes);
+  (`m64n64k16`: as many bytes read from shared memory as the tensor core consumes), both groups at
+  once: FlashMLA's order (group 1's scores after group 0's, one softmax under the other's scores)
+  measured slower with two buffers, also with group 1's P·V reordered to free K0 first;
 - the row maximum is handed one way: group 0 publishes its block's maximum, group 1 folds its own
   in and publishes the step's maximum, group 0 rescales what it has already done;
 - each group keeps half of the output (256 of the 512 dims) and multiplies both blocks' P (its
@@ -336,10 +338,16 @@ def _load_half(kc_smem, kr_smem, bars, cache_ptr, cache_desc, chunk_desc, bt_row
                buf: gl.constexpr, half: gl.constexpr, PAGE: gl.constexpr, USE_TMA: gl.constexpr):  # fmt: skip
     """Step j's rows [r0, r0 + BLOCK_N) into buffer `buf`, one column half (with the rope columns if it
     is the buffer's early half), once its last reader has freed it."""
+    # Where the block lies in one page, its cache row is read before waiting for the half to be freed:
+    # a late half's refill is on the next step's critical path, and a block-table read after the wait
+    # sat on it (0.7-1.1 us of ~126 at 64-token pages, deploy/benchmarks.md).
+    row0 = 0
+    if USE_TMA and PAGE >= kc_smem.shape[1]:
+        row0 = gl.load(bt_row + r0 // PAGE, mask=r0 < end, other=0) * PAGE + r0 % PAGE
     mbarrier.wait(bars.index(K_EMPTY + 2 * buf + half), (j & 1) ^ 1)
     if USE_TMA:
         if r0 + kc_smem.shape[1] <= end:
-            _tma_half(kc_smem, kr_smem, bars, cache_desc, chunk_desc, bt_row, r0, buf, half, PAGE)
+            _tma_half(kc_smem, kr_smem, bars, cache_desc, chunk_desc, bt_row, r0, row0, buf, half, PAGE)
         else:  # a split's partial last block: zeros past the end
             _gather_half(kc_smem, kr_smem, bars, cache_ptr, bt_row, r0, end, stride_cb, stride_cs, buf, half, PAGE)
     else:
@@ -347,8 +355,8 @@ def _load_half(kc_smem, kr_smem, bars, cache_ptr, cache_desc, chunk_desc, bt_row
 
 
 @gluon.jit
-def _tma_half(kc_smem, kr_smem, bars, cache_desc, chunk_desc, bt_row, r0, buf: gl.constexpr, half: gl.constexpr,
-              PAGE: gl.constexpr):  # fmt: skip
+def _tma_half(kc_smem, kr_smem, bars, cache_desc, chunk_desc, bt_row, r0, row0, buf: gl.constexpr,
+              half: gl.constexpr, PAGE: gl.constexpr):  # fmt: skip
     """A whole block's half by TMA. Where the block lies in one page (pages of 64 tokens or more), the
     half's four 64-column chunks come as one 3D box of `chunk_desc` (4 chunks x 64 rows x 64 columns),
     which lands as the four 2D boxes would: the buffer keeps each 64-column chunk as a [64, 64] tile of
@@ -364,9 +372,8 @@ def _tma_half(kc_smem, kr_smem, bars, cache_desc, chunk_desc, bt_row, r0, buf: g
     mbarrier.expect(full, NBYTES)
     mbarrier.arrive(full, count=PRODUCER_WARPS * 32 - 1)  # the barrier counts every producer thread
     for p in gl.static_range(BLOCK_N // ROWS):
-        n = r0 + p * ROWS
-        row = gl.load(bt_row + n // PAGE) * PAGE + n % PAGE
-        if ROWS == BLOCK_N:
+        if ROWS == BLOCK_N:  # the block lies in one page: its row was read before the wait
+            row = row0
             if PUBLIC_REINTERPRET:
                 chunks = kc_smem.reinterpret(kc_smem.dtype, [2 * (LORA // 64), BLOCK_N, 64], CHUNKS_LAYOUT)
             else:
@@ -374,6 +381,8 @@ def _tma_half(kc_smem, kr_smem, bars, cache_desc, chunk_desc, bt_row, r0, buf: g
             _tma_load(chunk_desc, [half * (HALF // 64), row, 0], full,
                       chunks.slice(buf * (LORA // 64) + half * (HALF // 64), HALF // 64, dim=0))  # fmt: skip
         else:
+            n = r0 + p * ROWS
+            row = gl.load(bt_row + n // PAGE) * PAGE + n % PAGE
             for c in gl.static_range(HALF // 64):
                 chunk = kc_smem.index(buf).slice(half * HALF + c * 64, 64, dim=1)
                 _tma_load(cache_desc, [row, half * HALF + c * 64], full, chunk.slice(p * ROWS, ROWS, dim=0))

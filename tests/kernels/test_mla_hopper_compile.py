@@ -50,13 +50,14 @@ HEADS_AS_ROWS = {"m64n64k16": 72, "m64n256k16": 16}
 # name: (module, kernel, heads per tile, split partials, TMA, page, instruction shape -> count, TMA
 # boxes loaded (2D, 3D), TMA boxes stored, stack bytes allowed). The warp-specialised kernel may keep a few values
 # on the stack: none with Triton 3.6 (8 bytes in its `cp.async` producers), 96 bytes with Triton 3.9
-# (a few values of the second consumer and the producers' partial-block row addresses). What it must
+# (a few values of the second consumer and the producers' partial-block row addresses), 136 at 64-token
+# pages (the producers also hold the block's page row across their wait). What it must
 # not do is spill its consumers' operands, which took 384-504 bytes of stack when its buffers'
 # shared-memory descriptors were hoisted out of the loops.
 WS = (mla_decode_wgmma, "_mla_decode_wgmma_kernel", 64)
 KERNELS = {
     "heads as rows": (*WS, False, True, 16, HEADS_AS_ROWS, (72, 0), 8, 128),
-    "heads as rows, 64-token pages": (*WS, False, True, 64, HEADS_AS_ROWS, (2, 4), 8, 128),
+    "heads as rows, 64-token pages": (*WS, False, True, 64, HEADS_AS_ROWS, (2, 4), 8, 160),
     "heads as rows, split partials": (*WS, True, True, 16, HEADS_AS_ROWS, (72, 0), 0, 128),
     "heads as rows, cp.async": (*WS, False, False, 16, HEADS_AS_ROWS, (0, 0), 8, 128),
     "tokens as rows, 16 heads": (mla_decode_wgmma_narrow, "_mla_decode_narrow_kernel", 16, True, None, 16,

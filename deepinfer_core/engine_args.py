@@ -29,8 +29,8 @@ def default_block_size(hf_config: dict, device: str) -> int:
     the rope columns) and 16-20 from 16-token pages, and issuing them sits on the chain that refills a
     buffer. At 128 heads, batch 64 x 4k on an H200 the op took 127.6 us at 64 against 135.4 at 16
     (126.9 against 134.8 before the 3D boxes, with 4-5 boxes a half); at 16 and 32 heads the two were
-    within 2 % (deploy/benchmarks.md). FlashMLA serves from 64-token pages too. Smaller blocks share prefixes at a finer grain, and the CPU path
-    gains nothing from larger ones."""
+    within 2 % (deploy/benchmarks.md). FlashMLA serves from 64-token pages too. Smaller blocks share
+    prefixes at a finer grain, and the CPU path gains nothing from larger ones."""
     if device.startswith("cuda") and hf_config.get("kv_lora_rank"):
         return 64
     return 16

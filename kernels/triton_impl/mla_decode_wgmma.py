@@ -444,8 +444,8 @@ def _mla_decode_wgmma_kernel(
     # [1, ...]: indexed by an opaque 0 in the loops, like the K buffers
     qn_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_H, LORA],
                                         gl.NVMMASharedLayout.get_default_for([BLOCK_H, LORA], dtype))  # fmt: skip
-    qp_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, ROPE], gl.NVMMASharedLayout.get_default_for([BLOCK_H, ROPE],
-                                                                                                     dtype))  # fmt: skip
+    qp_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, ROPE],
+                                        gl.NVMMASharedLayout.get_default_for([BLOCK_H, ROPE], dtype))  # fmt: skip
     kc_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, LORA],
                                         gl.NVMMASharedLayout.get_default_for([BLOCK_N, LORA], dtype))  # fmt: skip
     kr_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, ROPE],

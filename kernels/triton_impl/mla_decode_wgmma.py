@@ -42,9 +42,9 @@ Where the time goes (after a read flush, deploy/benchmarks.md; pages of 64 / 16 
 the 3D boxes below: the kernel 126.9 / 134.9 us, its loads alone 78.1 / 84.1, its consumers alone
 113.6 / 115.6. At 16-token pages half a block was 16-20 boxes instead of 4-5, and issuing them sits
 on the refill chain; the engine gives MLA models 64-token blocks on CUDA
-(`engine_args.default_block_size`). Since then a
-64-token block's half comes as one 3D box (2 with the rope columns) and TMA-filled blocks skip the
-consumers' proxy fences: 128.8 -> 127.6 us at 64-token pages, 136.1 -> 135.4 at 16 (the fences only).
+(`engine_args.default_block_size`). Since then a 64-token block's half comes as one 3D box (2 with
+the rope columns) and TMA-filled blocks skip the consumers' proxy fences: 128.8 -> 127.6 us at
+64-token pages, 136.1 -> 135.4 at 16 (the fences only).
 Of the 127.6 us, ~11-13 are a fixed cost: the kernel at zero length takes 10.7-11.0 us (a
 one-element fill 3.7-3.8, launch and events), a fit over 1k-8k contexts gives 12.7 us + 28.1 us per
 1k tokens (3.5 us a 128-token step). Q's 9.4 MB read before the first step and the output's 8.4 MB

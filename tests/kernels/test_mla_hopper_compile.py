@@ -130,6 +130,18 @@ def test_fits_one_multiprocessor_without_spills(compiled) -> None:
     assert "LOCAL:0 " in line and int(re.search(r"STACK:(\d+)", line).group(1)) <= max_stack, line
 
 
+def test_heads_as_rows_rescales_lazily_per_warp(compiled) -> None:
+    """Three accumulator rescalings a step (group 0 twice, group 1 once), each decided by a warp vote
+    and skipped as one branch around the thread's 128 multiplications."""
+    kernel = compiled[0]
+    if kernel.name != "_mla_decode_wgmma_kernel":
+        pytest.skip("the tokens-as-rows kernel keeps its own softmax")
+    ptx = kernel.asm["ptx"]
+    assert len(re.findall(r"vote\.sync\.any\.pred", ptx)) == 3
+    skipped = re.findall(r"@\S+ bra\.uni (\w+);((?:\s*mul\.f32[^;]*;)+)\s*\1:", ptx)
+    assert [body.count("mul.f32") for _, body in skipped] == [mla_decode_wgmma.ACC_PER_THREAD] * 3
+
+
 @pytest.mark.parametrize(
     "page, boxes",
     [

@@ -129,8 +129,8 @@ CHUNKS_LAYOUT = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, elemen
 # 2^8 (in the log2 domain of the scores), so P stays below 256 and, once a sequence's first blocks
 # have set it, rescaling is rare. A warp skips multiplying its rows of the accumulator when none of
 # them moved. Two runs side by side (deploy/benchmarks.md): 2.3-2.7 us less at 64-token pages
-# (~125.8 -> 123.1), 3.0-3.2 at 16; where some row of every warp moves at almost every step (scores
-# that keep growing along the sequence) 0.5-3.6 us more. Accuracy: the largest P of a row is no
+# (~125.8 -> 123.1), 3.0-3.2 at 16; where the scores keep growing along the sequence (their maxima
+# keep moving) 0.5-3.6 us more. Accuracy: the largest P of a row is no
 # longer exactly 1 in bf16, about one more bf16 unit of the output at most.
 LAZY_RESCALE_LOG2 = gl.constexpr(8.0)
 ACC_PER_THREAD = gl.constexpr(128)  # a group's [64, 256] fp32 accumulator over its 128 threads

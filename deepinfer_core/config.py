@@ -166,6 +166,44 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class PDConfig:
+    """The prefill/decode hand-off's clocks: one source for the engines, the router and the head.
+
+    Order matters: a PE waits at most `transfer_timeout_s` for its KV writes; a CE keeps the
+    blocks of a lease that expired without a notice quarantined for `lease_grace_s`, which must
+    outlast any write still landing (so grace > transfer); the router's prefill call may take
+    `prefill_timeout_s` (queueing + prefill + transfer), within the lease."""
+
+    transfer_timeout_s: float = 30.0
+    """How long a PE waits for one request's KV writes before failing its hand-off."""
+    lease_s: float = 130.0
+    """A CE reservation's lease: longer than a prefill may take, so a slow PE does not lose it."""
+    lease_grace_s: float = 35.0
+    """Quarantine of an expired or aborted lease's blocks (a PE may still be writing them)."""
+    prefill_timeout_s: float = 120.0
+    """The router's deadline for one Prefill call."""
+    state_copy_interval: int = 128
+    """A CE copies a sequence's state slot each time it crosses this many tokens."""
+
+    def __post_init__(self) -> None:
+        for name in ("transfer_timeout_s", "lease_s", "lease_grace_s", "prefill_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.lease_grace_s <= self.transfer_timeout_s:
+            raise ValueError(
+                f"lease_grace_s ({self.lease_grace_s}) must exceed transfer_timeout_s ({self.transfer_timeout_s}): "
+                "quarantined blocks could be reused while a prefill engine still writes them"
+            )
+        if self.prefill_timeout_s >= self.lease_s:
+            raise ValueError(
+                f"prefill_timeout_s ({self.prefill_timeout_s}) must be under lease_s ({self.lease_s}): "
+                "a reservation would expire while its prefill may still succeed"
+            )
+        if self.state_copy_interval < 1:
+            raise ValueError(f"state_copy_interval must be >= 1, got {self.state_copy_interval}")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig
     cache: CacheConfig
@@ -174,6 +212,7 @@ class EngineConfig:
     device: str
     """'cpu' or 'cuda[:N]'."""
     enforce_eager: bool = False
+    pd: PDConfig = PDConfig()
 
     @property
     def engine_type(self) -> EngineType:

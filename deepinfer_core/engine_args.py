@@ -15,6 +15,7 @@ from deepinfer_core.config import (
     EngineConfig,
     ModelConfig,
     ParallelConfig,
+    PDConfig,
     SchedulerConfig,
     parse_dtype,
 )
@@ -67,6 +68,8 @@ class EngineArgs:
     data_parallel_rank: int = 0
     context_parallel_size: int = 1
     expert_parallel_size: int = 1
+    pd: Optional[PDConfig] = None
+    """The P/D hand-off's timeouts and lease; None: `PDConfig()`'s defaults."""
 
     def __post_init__(self) -> None:
         if isinstance(self.engine_type, int):
@@ -145,4 +148,5 @@ class EngineArgs:
             parallel=parallel,
             device=device,
             enforce_eager=self.enforce_eager or envs.DEEPINFER_ENFORCE_EAGER,
+            pd=self.pd or PDConfig(),
         )

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import itertools
 import logging
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
 from deepinfer_core import envs
 from deepinfer_core.config import EngineConfig
 from deepinfer_core.engine import overlap
+from deepinfer_core.engine.load import EngineLoad
 from deepinfer_core.engine.overlap import InFlightStep
 from deepinfer_core.engine.request_state import RequestState
 from deepinfer_core.engine_args import EngineArgs
@@ -33,10 +34,17 @@ from deepinfer_core.worker.events import DeviceEvent, launch_async
 from deepinfer_core.worker.model_runner import StepResult
 from deepinfer_core.worker.worker import Worker
 
+if TYPE_CHECKING:
+    from deepinfer_core.pd.prompt_engine import HandoffResult
+    from deepinfer_core.transfer.nixl_agent import NixlKVAgent
+
 logger = logging.getLogger(__name__)
 
 
 class LLMEngine:
+    agent: Optional[NixlKVAgent] = None
+    """The KV transfer agent of a PE or CE (set by `init_pd_split`); None on a NORMAL engine."""
+
     def __init__(self, config: EngineConfig, tokenizer=None, dp_group=None):
         self.config = config
         self.engine_type = config.engine_type
@@ -203,6 +211,38 @@ class LLMEngine:
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.requests)
+
+    # ---- what a host (a worker, the P/D harness) drives and reads between steps ---------------
+    def poll_handoffs(self) -> list[RequestOutput]:
+        """Drive the KV transfer plane between steps; outputs it produced (a CE's hand-offs)."""
+        return []
+
+    def pop_handoff_results(self) -> list[HandoffResult]:
+        """Hand-offs completed since the last call (a PE's); empty elsewhere."""
+        return []
+
+    @property
+    def awaits_handoffs(self) -> bool:
+        """Hand-off notices may arrive while idle: the host should poll often (a CE with leases)."""
+        return False
+
+    def load(self) -> EngineLoad:
+        """The engine's load now; call on the engine's thread."""
+        sched = self.scheduler
+        bm = sched.block_manager
+        prompted = [entry[0] for entry in sched.prompted]
+        return EngineLoad(
+            queued_prompt_tokens=sum(s.num_uncomputed_tokens for s in sched.waiting),
+            running_requests=len(sched.running) + len(prompted),
+            waiting_requests=len(sched.waiting),
+            total_kv_tokens=sum(len(s) for s in sched.running) + sum(len(s) for s in prompted),
+            kv_usage=bm.usage,
+            free_blocks=bm.num_free_blocks,
+            num_blocks=bm.num_blocks,
+            requests=len(self.requests),
+            prefix_queries=bm.prefix_queries,
+            prefix_hits=bm.prefix_hits,
+        )
 
     # ---- the step (SPEC §2) -------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

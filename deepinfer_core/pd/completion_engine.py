@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from deepinfer_core.engine.llm_engine import LLMEngine
+from deepinfer_core.engine.load import EngineLoad
 from deepinfer_core.engine_type import EngineType
 from deepinfer_core.outputs import RequestOutput
 from deepinfer_core.sampling.sampler import replay_draws
@@ -42,13 +43,13 @@ class Reservation:
 
 
 class CompletionEngine(LLMEngine):
-    def __init__(self, config, *args, state_copy_interval: int = 128, lease_grace_s: float = 35.0, **kwargs):
+    def __init__(self, config, *args, **kwargs):
         if config.engine_type != EngineType.COMPLETION:
             raise ValueError(f"CompletionEngine needs engine_type=COMPLETION, got {config.engine_type.name}")
-        self.state_copy_interval = state_copy_interval
-        self.lease_grace_s = lease_grace_s
-        """How long blocks of an expired lease stay quarantined without a notice: a PE's
-        transfer timeout plus clock skew."""
+        self.state_copy_interval = config.pd.state_copy_interval
+        self.lease_grace_s = config.pd.lease_grace_s
+        """How long blocks of an expired lease stay quarantined without a notice: longer than a
+        PE's transfer timeout (`PDConfig` checks it)."""
         super().__init__(config, *args, **kwargs)
 
     def init_pd_split(self) -> None:
@@ -66,10 +67,12 @@ class CompletionEngine(LLMEngine):
         params: Optional[SamplingParams] = None,
         prompt_token_ids: Optional[list[int]] = None,
         prompt: Optional[str] = None,
-        lease_s: float = 30.0,
+        lease_s: Optional[float] = None,
     ) -> KVTarget:
-        """Reserve blocks for prompt + 1 tokens; the returned target tells a PE where to write."""
+        """Reserve blocks for prompt + 1 tokens; the returned target tells a PE where to write.
+        `lease_s`: None takes `PDConfig.lease_s`."""
         params = params or SamplingParams()
+        lease_s = self.config.pd.lease_s if lease_s is None else lease_s
         if params.n != 1:
             raise ValueError("a decode engine takes one sample per request (n=1); fan out n before prefill")
         seq = self.add_request(request_id, prompt, params, prompt_token_ids, enqueue=False)
@@ -119,6 +122,17 @@ class CompletionEngine(LLMEngine):
         for rid in [r for r, res in self.quarantine.items() if res.deadline < now]:
             self.scheduler.free_seq(self.quarantine.pop(rid).seq)
         return outputs
+
+    @property
+    def awaits_handoffs(self) -> bool:
+        return bool(self.reservations or self.quarantine)
+
+    def load(self) -> EngineLoad:
+        load = super().load()
+        load.total_kv_tokens += sum(len(r.seq) for r in self.reservations.values())
+        load.reservations = len(self.reservations)
+        load.handoffs = self.num_handoffs
+        return load
 
     def _on_notice(self, notice: HandoffNotice) -> Optional[RequestOutput]:
         late = self.quarantine.pop(notice.request_id, None)

@@ -80,8 +80,7 @@ def _build(engine_type: EngineType, engine_args: dict[str, Any]):
     from deepinfer_core.pd.prompt_engine import PromptEngine
 
     cls = {EngineType.PROMPT: PromptEngine, EngineType.COMPLETION: CompletionEngine}.get(engine_type, LLMEngine)
-    extra = {k: engine_args.pop(k) for k in ("transfer_timeout_s", "lease_grace_s") if k in engine_args}
-    return cls.from_engine_args(EngineArgs(engine_type=engine_type, **engine_args), **extra)
+    return cls.from_engine_args(EngineArgs(engine_type=engine_type, **engine_args))
 
 
 class _Server:

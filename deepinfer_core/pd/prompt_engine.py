@@ -27,6 +27,7 @@ from typing import Optional
 
 from deepinfer_core import envs
 from deepinfer_core.engine.llm_engine import LLMEngine
+from deepinfer_core.engine.load import EngineLoad
 from deepinfer_core.engine_type import EngineType
 from deepinfer_core.sampling_params import SamplingParams
 from deepinfer_core.scheduler.outputs import SchedulerOutputs
@@ -74,10 +75,10 @@ class _Pending:
 
 
 class PromptEngine(LLMEngine):
-    def __init__(self, config, *args, transfer_timeout_s: float = 30.0, **kwargs):
+    def __init__(self, config, *args, **kwargs):
         if config.engine_type != EngineType.PROMPT:
             raise ValueError(f"PromptEngine needs engine_type=PROMPT, got {config.engine_type.name}")
-        self.transfer_timeout_s = transfer_timeout_s
+        self.transfer_timeout_s = config.pd.transfer_timeout_s
         super().__init__(config, *args, **kwargs)
 
     def init_pd_split(self) -> None:
@@ -350,6 +351,12 @@ class PromptEngine(LLMEngine):
     def pop_handoff_results(self) -> list[HandoffResult]:
         results, self.handoff_results = self.handoff_results, []
         return results
+
+    def load(self) -> EngineLoad:
+        load = super().load()
+        load.requests += len(self._inflight) + len(self._done)  # handed off, not yet reported
+        load.kv_transfer_bytes = self.agent.bytes_sent
+        return load
 
     def has_unfinished_requests(self) -> bool:
         return super().has_unfinished_requests() or bool(self._inflight or self._done)

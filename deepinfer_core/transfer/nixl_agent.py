@@ -41,6 +41,7 @@ import numpy as np
 import torch
 
 from deepinfer_core import envs
+from deepinfer_core.errors import TransferError
 from deepinfer_core.transfer.layout import KVLayout
 from deepinfer_core.transfer.messages import KVRegion
 
@@ -65,10 +66,6 @@ class PreparedWrite:
     handle: object
     peer: str
     num_bytes: int
-
-
-class TransferError(RuntimeError):
-    pass
 
 
 class NixlKVAgent:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import logging
 import queue
 import threading
@@ -85,8 +86,7 @@ class EngineHost:
         self._fail_pending_calls()
 
     def _idle_wait(self) -> float:
-        pending = getattr(self.engine, "reservations", None) or getattr(self.engine, "quarantine", None)
-        return _POLL_WAIT_S if pending else _IDLE_WAIT_S
+        return _POLL_WAIT_S if self.engine.awaits_handoffs else _IDLE_WAIT_S
 
     def _apply_calls(self, wait_s: float) -> None:
         try:
@@ -106,17 +106,13 @@ class EngineHost:
                 return
 
     def _turn(self) -> bool:
-        outputs = []
-        poll = getattr(self.engine, "poll_handoffs", None)
-        if poll is not None:
-            outputs += poll()
+        outputs = self.engine.poll_handoffs()
         stepped = self.engine.has_unfinished_requests()
         if stepped:
             self.step_started_at = time.monotonic()
             outputs += self.engine.step()
             self.num_steps += 1
-        pop = getattr(self.engine, "pop_handoff_results", None)
-        results = pop() if pop is not None else []
+        results = self.engine.pop_handoff_results()
         if outputs or results:
             self.loop.call_soon_threadsafe(self.on_turn, outputs, results)
         now = time.monotonic()
@@ -137,25 +133,4 @@ class EngineHost:
 
 def snapshot_load(engine) -> WorkerLoad:
     """The engine's load, read on the engine thread."""
-    sched = engine.scheduler
-    bm = sched.block_manager
-    prompted = [entry[0] for entry in sched.prompted]
-    reservations = getattr(engine, "reservations", {})
-    kv_tokens = sum(len(s) for s in sched.running) + sum(len(s) for s in prompted)
-    kv_tokens += sum(len(r.seq) for r in reservations.values())
-    agent = getattr(engine, "agent", None)
-    return WorkerLoad(
-        queued_prompt_tokens=sum(s.num_uncomputed_tokens for s in sched.waiting),
-        running_requests=len(sched.running) + len(prompted),
-        waiting_requests=len(sched.waiting),
-        total_kv_tokens=kv_tokens,
-        kv_usage=bm.usage,
-        free_blocks=bm.num_free_blocks,
-        num_blocks=bm.num_blocks,
-        requests=len(engine.requests) + len(getattr(engine, "_inflight", [])) + len(getattr(engine, "_done", [])),
-        reservations=len(reservations),
-        prefix_queries=bm.prefix_queries,
-        prefix_hits=bm.prefix_hits,
-        kv_transfer_bytes=getattr(agent, "bytes_sent", 0) if agent is not None else 0,
-        handoffs=getattr(engine, "num_handoffs", 0),
-    )
+    return WorkerLoad(**dataclasses.asdict(engine.load()))

@@ -104,7 +104,7 @@ class WorkerServer:
         enable_reflection(self._server, add_services(self._server, self.core))
         port = bind(self._server, spec.host, spec.port)
         await self._server.start()
-        agent = getattr(engine, "agent", None)
+        agent = engine.agent
         config = engine.config
         return WorkerInfo(
             worker_id=spec.worker_id,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 from deepinfer_core import LLM, SamplingParams
+from deepinfer_core.config import PDConfig
 from deepinfer_core.engine_args import EngineArgs
 from deepinfer_core.engine_type import EngineType
 from deepinfer_core.pd.harness import EngineProcess
@@ -26,8 +27,9 @@ def normal_reference(prompts: list[list[int]], params: SamplingParams, **kw) -> 
 def local_pe(cls: type = PromptEngine, **kw) -> PromptEngine:
     """A PE in this process (for white-box checks); its transfers still cross to a CE process."""
     timeout = kw.pop("transfer_timeout_s", 10.0)
-    args = EngineArgs(engine_type=EngineType.PROMPT, **{**ENGINE_ARGS, **kw})
-    return cls.from_engine_args(args, transfer_timeout_s=timeout)
+    pd = PDConfig(transfer_timeout_s=timeout, lease_grace_s=timeout + 5.0)
+    args = EngineArgs(engine_type=EngineType.PROMPT, pd=pd, **{**ENGINE_ARGS, **kw})
+    return cls.from_engine_args(args)
 
 
 def start_ce(**kw) -> EngineProcess:

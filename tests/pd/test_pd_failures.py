@@ -7,6 +7,7 @@ import time
 import pytest
 
 from deepinfer_core import envs
+from deepinfer_core.config import PDConfig
 from deepinfer_core.pd.harness import RemoteError
 from deepinfer_core.pd.prompt_engine import PromptEngine
 from tests.helpers.pd import ENGINE_ARGS, greedy, local_pe, reserve, run_pe, start_ce, wait_ce, wait_free_blocks
@@ -86,7 +87,7 @@ def test_ce_killed_while_chunks_stream_frees_pe_blocks_and_reports_the_error(mon
 
 @pytest.fixture(scope="module")
 def ce():
-    proc = start_ce(lease_grace_s=1.5)
+    proc = start_ce(pd=PDConfig(transfer_timeout_s=1.0, lease_grace_s=1.5))
     yield proc
     proc.close()
 

@@ -26,21 +26,26 @@ from __future__ import annotations
 import argparse
 import shutil
 import statistics
+import sys
 import tempfile
 import time
+from pathlib import Path
 
 import torch
 import transformers
 
-from deepinfer_core import envs
-from deepinfer_core.builtin import TINY_MODEL_DIR
-from deepinfer_core.engine.llm_engine import LLMEngine
-from deepinfer_core.engine_args import EngineArgs
-from deepinfer_core.engine_type import EngineType
-from deepinfer_core.pd.harness import EngineProcess
-from deepinfer_core.pd.prompt_engine import PromptEngine
-from deepinfer_core.sampling_params import SamplingParams
-from deepinfer_core.transfer.messages import HandoffNotice, KVTarget
+if __package__ in (None, ""):  # run as a script: its sibling modules import as `benchmarks.X` from the repo root
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.pd_harness import EngineProcess  # noqa: E402
+from deepinfer_core import envs  # noqa: E402
+from deepinfer_core.builtin import TINY_MODEL_DIR  # noqa: E402
+from deepinfer_core.engine.llm_engine import LLMEngine  # noqa: E402
+from deepinfer_core.engine_args import EngineArgs  # noqa: E402
+from deepinfer_core.pd.prompt_engine import PromptEngine  # noqa: E402
+from deepinfer_core.roles import EngineType  # noqa: E402
+from deepinfer_core.sampling_params import SamplingParams  # noqa: E402
+from deepinfer_core.transfer.messages import HandoffNotice, KVTarget  # noqa: E402
 
 # Many KV bytes per token, little compute: 16 layers x 8 KV heads x 128 dims.
 MODEL = dict(

@@ -12,16 +12,21 @@ from __future__ import annotations
 import argparse
 import io
 import shutil
+import sys
 import tempfile
 import time
+from pathlib import Path
 
 import torch
 import transformers
-from offline_throughput import _sync
 from PIL import Image
 
-from deepinfer_core import LLM, SamplingParams
-from deepinfer_core.builtin import TINY_MODEL_DIR
+if __package__ in (None, ""):  # run as a script: its sibling modules import as `benchmarks.X` from the repo root
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.offline_throughput import _sync  # noqa: E402
+from deepinfer_core import LLM, SamplingParams  # noqa: E402
+from deepinfer_core.builtin import TINY_MODEL_DIR  # noqa: E402
 
 VOCAB = 1024
 IMAGE_TOKEN = 1022  # the shipped tokenizer's <|image|>

@@ -25,6 +25,8 @@ import argparse
 import multiprocessing as mp
 import statistics
 import time
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -60,7 +62,21 @@ def _descs(base: int, total: int, split: int, dev: int) -> np.ndarray:
     return np.stack([base + offs, sizes, np.full_like(offs, dev)], axis=1)
 
 
-def main() -> None:
+@dataclass
+class Link:
+    """The initiator's agent, its source buffer and what it knows of the peer's registered buffer."""
+
+    agent: Any
+    peer: str
+    src: torch.Tensor
+    remote_base: int
+    remote_dev: int
+    local_mem: str
+    remote_mem: str
+    local_dev: int
+
+
+def _parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--src", default="cpu")
     ap.add_argument("--dst", default="cpu")
@@ -84,8 +100,12 @@ def main() -> None:
         default="on",
         help="NIXL's progress thread in this process (on: nixl's Python default, spinning); the peer keeps its own",
     )
-    args = ap.parse_args()
-    total_max = max(args.sizes_mib) * MiB
+    return ap.parse_args()
+
+
+def _connect(args: argparse.Namespace, total_max: int):
+    """Start the target process, register the source buffer and connect to the target's agent.
+    Returns the link, the pipe to the target and its process."""
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
     proc = ctx.Process(target=_target, args=(args.dst, total_max, args.num_threads, child), daemon=True)
@@ -98,27 +118,101 @@ def main() -> None:
     peer = agent.add_remote_agent(meta)
     peer = peer.decode() if isinstance(peer, bytes) else peer
     agent.make_connection(peer)
-    local_mem = "VRAM" if args.src.startswith("cuda") else "DRAM"
-    remote_mem = "VRAM" if args.dst.startswith("cuda") else "DRAM"
-    local_dev = torch.device(args.src).index or 0
+    mem = {True: "VRAM", False: "DRAM"}
+    link = Link(agent, peer, src, remote_base, remote_dev, mem[args.src.startswith("cuda")],
+                mem[args.dst.startswith("cuda")], torch.device(args.src).index or 0)  # fmt: skip
+    return link, parent, proc
 
-    def run_once(make) -> tuple[float, float, float]:
-        t0 = time.perf_counter()
-        made = make()
-        handles = made if isinstance(made, list) else [made]
-        t1 = time.perf_counter()
-        states = [agent.transfer(h) for h in handles]
-        t2 = time.perf_counter()
-        for h, state in zip(handles, states):
-            while state != "DONE":
-                state = agent.check_xfer_state(h)
-                if state == "ERR":
-                    raise RuntimeError("transfer failed")
-        t3 = time.perf_counter()
-        for h in handles:
-            agent.release_xfer_handle(h)
-        return t1 - t0, t2 - t1, t3 - t0
 
+def _run_once(agent, make) -> tuple[float, float, float]:
+    """(prepare, post, whole) seconds of one transfer (or one batch of them) made by `make`."""
+    t0 = time.perf_counter()
+    made = make()
+    handles = made if isinstance(made, list) else [made]
+    t1 = time.perf_counter()
+    states = [agent.transfer(h) for h in handles]
+    t2 = time.perf_counter()
+    for h, state in zip(handles, states):
+        while state != "DONE":
+            state = agent.check_xfer_state(h)
+            if state == "ERR":
+                raise RuntimeError("transfer failed")
+    t3 = time.perf_counter()
+    for h in handles:
+        agent.release_xfer_handle(h)
+    return t1 - t0, t2 - t1, t3 - t0
+
+
+def _copy_seconds(args: argparse.Namespace, src: torch.Tensor, ref_dst: torch.Tensor, total: int) -> float:
+    """Median time of a plain copy of the same bytes (peer-to-peer on GPUs, memcpy on CPU)."""
+    times = []
+    for _ in range(args.reps + 1):
+        _sync(args.src, args.dst)
+        t = time.perf_counter()
+        if args.op == "WRITE":
+            ref_dst[:total].copy_(src[:total])
+        else:  # the bytes flow from the peer's device to the initiator's
+            src[:total].copy_(ref_dst[:total])
+        _sync(args.src, args.dst)
+        times.append(time.perf_counter() - t)
+    return statistics.median(times[1:])
+
+
+def _variants(link: Link, args: argparse.Namespace, total: int, split: int):
+    """The ways to post `total` bytes cut into descriptors of `split` bytes: [(name, make)], the
+    descriptor count and the prepared lists (to release once the variants have run)."""
+    agent, op = link.agent, args.op
+    ld = _descs(link.src.data_ptr(), total, split, link.local_dev)
+    rd = _descs(link.remote_base, total, split, link.remote_dev)
+
+    def make_init():
+        local, remote = agent.get_xfer_descs(ld, link.local_mem), agent.get_xfer_descs(rd, link.remote_mem)
+        return agent.initialize_xfer(op, local, remote, link.peer)
+
+    lp = agent.prep_xfer_dlist("NIXL_INIT_AGENT", agent.get_xfer_descs(ld, link.local_mem))
+    rp = agent.prep_xfer_dlist(link.peer, agent.get_xfer_descs(rd, link.remote_mem))
+    idx = np.arange(len(ld))
+
+    def make_prep():
+        return agent.make_prepped_xfer(op, lp, idx, rp, idx)
+
+    def make_prep_n():
+        parts = np.array_split(idx, min(args.concurrent, len(idx)))
+        return [agent.make_prepped_xfer(op, lp, p, rp, p) for p in parts]
+
+    variants = [("init", make_init), ("prep", make_prep)]
+    if args.concurrent > 1 and len(idx) > 1:
+        variants.append((f"prep{args.concurrent}", make_prep_n))
+    return variants, len(ld), (lp, rp)
+
+
+def _probe_size(link: Link, args: argparse.Namespace, size_mib: int, ref_dst: torch.Tensor) -> None:
+    """One row per split and variant for a payload of `size_mib`, beside a plain copy of it."""
+    total = size_mib * MiB
+    copy_t = _copy_seconds(args, link.src, ref_dst, total)
+    splits = [("whole", args.run_mib * MiB)] + [(f"{s:g}M", int(s * MiB)) for s in args.splits_mib]
+    for tag, split in splits:
+        variants, descs, dlists = _variants(link, args, total, min(split, total))
+        if args.device_trace and tag == "whole":
+            prep = dict(variants)["prep"]
+            device_trace(lambda make=prep: _run_once(link.agent, make), ref_dst, link.src, total, args)
+        for kind, make in variants:
+            _run_once(link.agent, make)  # warm-up (first use of a region maps it on the peer)
+            runs = [_run_once(link.agent, make) for _ in range(args.reps)]
+            prep_s, post, tot = (statistics.median(r[i] for r in runs) for i in range(3))
+            print(
+                f"{size_mib:>6} {kind + '/' + tag:<16} {descs:>6} {prep_s * 1e6:>10.0f} {post * 1e6:>8.0f} "
+                f"{tot * 1e3:>9.3f} {total / tot / 1e9:>7.1f} {total / copy_t / 1e9:>9.1f} {copy_t / tot:>6.2f}",
+                flush=True,
+            )
+        for handle in dlists:
+            link.agent.release_dlist_handle(handle)
+
+
+def main() -> None:
+    args = _parse_args()
+    total_max = max(args.sizes_mib) * MiB
+    link, parent, proc = _connect(args, total_max)
     print(f"# {args.label} {args.op} {args.src} -> {args.dst}, initiator thread {args.initiator_thread}", flush=True)
     print(f"{'MiB':>6} {'variant':<16} {'descs':>6} {'prepare us':>10} {'post us':>8} {'total ms':>9} "
           f"{'GB/s':>7} {'copy GB/s':>9} {'ratio':>6}")  # fmt: skip
@@ -126,60 +220,9 @@ def main() -> None:
     if args.dst.startswith("cuda") and args.src.startswith("cuda"):
         dst_local = torch.empty(total_max, dtype=torch.uint8, device=args.dst)
     for size_mib in args.sizes_mib:
-        total = size_mib * MiB
         # reference: a plain copy of the same bytes (peer-to-peer on GPUs, memcpy on CPU)
         ref_dst = dst_local if dst_local is not None else torch.empty(total_max, dtype=torch.uint8)
-        times = []
-        for _ in range(args.reps + 1):
-            _sync(args.src, args.dst)
-            t = time.perf_counter()
-            if args.op == "WRITE":
-                ref_dst[:total].copy_(src[:total])
-            else:  # the bytes flow from the peer's device to the initiator's
-                src[:total].copy_(ref_dst[:total])
-            _sync(args.src, args.dst)
-            times.append(time.perf_counter() - t)
-        copy_t = statistics.median(times[1:])
-        splits = [("whole", args.run_mib * MiB)] + [(f"{s:g}M", int(s * MiB)) for s in args.splits_mib]
-        for tag, split in splits:
-            split = min(split, total)
-            ld = _descs(src.data_ptr(), total, split, local_dev)
-            rd = _descs(remote_base, total, split, remote_dev)
-
-            def make_init(ld=ld, rd=rd):
-                return agent.initialize_xfer(
-                    args.op, agent.get_xfer_descs(ld, local_mem), agent.get_xfer_descs(rd, remote_mem), peer
-                )
-
-            lp = agent.prep_xfer_dlist("NIXL_INIT_AGENT", agent.get_xfer_descs(ld, local_mem))
-            rp = agent.prep_xfer_dlist(peer, agent.get_xfer_descs(rd, remote_mem))
-            idx = np.arange(len(ld))
-
-            def make_prep(lp=lp, rp=rp, idx=idx):
-                return agent.make_prepped_xfer(args.op, lp, idx, rp, idx)
-
-            def make_prep_n(lp=lp, rp=rp, idx=idx):
-                parts = np.array_split(idx, min(args.concurrent, len(idx)))
-                return [agent.make_prepped_xfer(args.op, lp, p, rp, p) for p in parts]
-
-            variants = [(f"init/{tag}", make_init), (f"prep/{tag}", make_prep)]
-            if args.concurrent > 1 and len(idx) > 1:
-                variants.append((f"prep{args.concurrent}/{tag}", make_prep_n))
-            if args.device_trace and tag == "whole":
-                device_trace(lambda make=make_prep: run_once(make), ref_dst, src, total, args)
-            for name, make in variants:
-                run_once(make)  # warm-up (first use of a region maps it on the peer)
-                runs = [run_once(make) for _ in range(args.reps)]
-                prep = statistics.median(r[0] for r in runs)
-                post = statistics.median(r[1] for r in runs)
-                tot = statistics.median(r[2] for r in runs)
-                print(
-                    f"{size_mib:>6} {name:<16} {len(ld):>6} {prep * 1e6:>10.0f} {post * 1e6:>8.0f} {tot * 1e3:>9.3f} "
-                    f"{total / tot / 1e9:>7.1f} {total / copy_t / 1e9:>9.1f} {copy_t / tot:>6.2f}",
-                    flush=True,
-                )
-            agent.release_dlist_handle(lp)
-            agent.release_dlist_handle(rp)
+        _probe_size(link, args, size_mib, ref_dst)
     parent.send("done")
     proc.join(timeout=10)
 

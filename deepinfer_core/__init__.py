@@ -4,7 +4,7 @@
 imports no networking (grpc, ray): services build on it.
 """
 
-from deepinfer_core.engine_type import EngineType
+from deepinfer_core.roles import EngineType
 from deepinfer_core.sampling_params import SamplingParams
 
 __all__ = ["EngineType", "SamplingParams", "LLM", "LLMEngine", "EngineArgs", "RequestOutput", "CompletionOutput"]

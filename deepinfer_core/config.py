@@ -11,8 +11,7 @@ from typing import Any, Optional
 
 import torch
 
-from deepinfer_core.engine_type import EngineType
-from deepinfer_core.role_profile import RoleProfile, role_profile
+from deepinfer_core.roles import EngineType, RoleProfile, role_profile
 
 _DTYPES = {
     "float32": torch.float32,
@@ -147,9 +146,9 @@ class SchedulerConfig:
                 "max_model_len tokens could never be scheduled. Enable chunked_prefill or raise "
                 "max_num_batched_tokens."
             )
-        if self.engine_type == EngineType.COMPLETION and not self.stop_preempted_request:
+        if role_profile(self.engine_type).requires_stop_preempted_request and not self.stop_preempted_request:
             raise ValueError(
-                "COMPLETION engine cannot recompute preempted requests (it has no prefill channel); "
+                f"{self.engine_type.name} engine cannot recompute preempted requests (it has no prefill channel); "
                 "it must be started with stop_preempted_request=True (--stop-preempted-request)"
             )
 
@@ -163,6 +162,14 @@ class SchedulerConfig:
     @property
     def max_num_decoding_tokens(self) -> int:
         return self.max_num_seqs * self.num_decode_tokens_per_seq
+
+    @property
+    def max_step_tokens(self) -> int:
+        """Most tokens one forward of this role carries (SPEC §1's MoE / workspace token bound): the
+        prefill budget where prefill steps run, `max_num_decoding_tokens` on a decode-only engine."""
+        if role_profile(self.engine_type).peak_step == "decode":
+            return self.max_num_decoding_tokens
+        return self.max_num_batched_tokens
 
 
 @dataclass(frozen=True)

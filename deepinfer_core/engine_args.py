@@ -19,7 +19,7 @@ from deepinfer_core.config import (
     SchedulerConfig,
     parse_dtype,
 )
-from deepinfer_core.engine_type import EngineType
+from deepinfer_core.roles import EngineType, role_profile
 
 
 def default_block_size(hf_config: dict, device: str) -> int:
@@ -28,10 +28,10 @@ def default_block_size(hf_config: dict, device: str) -> int:
     The sm_90 MLA decode kernel brings a block's latent rows by TMA in boxes that stay inside one page:
     half a 64-token block is 2 boxes from 64-token pages (one 3D box of its four column chunks, and
     the rope columns) and 16-20 from 16-token pages, and issuing them sits on the chain that refills a
-    buffer. At 128 heads, batch 64 x 4k on an H200 the op took 127.6 us at 64 against 135.4 at 16
-    (126.9 against 134.8 before the 3D boxes, with 4-5 boxes a half); at 16 and 32 heads the two were
-    within 2 % (deploy/benchmarks.md). FlashMLA serves from 64-token pages too. Smaller blocks share
-    prefixes at a finer grain, and the CPU path gains nothing from larger ones."""
+    buffer. So at 128 heads (compute-bound) the op is faster from 64-token blocks, while at 16 and 32
+    heads (memory-bound) the two sizes time alike (docs/benchmarks.md, "Figures formerly in code").
+    FlashMLA serves from 64-token pages too. Smaller blocks share prefixes at a finer grain, and the
+    CPU path gains nothing from larger ones."""
     if device.startswith("cuda") and hf_config.get("kv_lora_rank"):
         return 64
     return 16
@@ -77,15 +77,12 @@ class EngineArgs:
         if self.tokenizer is None:
             self.tokenizer = self.model
         # The role provides defaults; an operator's explicit environment wins.
+        role = role_profile(self.engine_type)
         os.environ.setdefault(
-            "DEEPINFER_ZERO_OVERHEAD_SCHEDULING",
-            "1" if self.engine_type.default_zero_overhead_scheduling else "0",
+            "DEEPINFER_ZERO_OVERHEAD_SCHEDULING", "1" if role.default_zero_overhead_scheduling else "0"
         )
         envs.rearm("DEEPINFER_ZERO_OVERHEAD_SCHEDULING")
-        os.environ.setdefault(
-            "DEEPINFER_USE_MULTIMODAL_POOL",
-            "1" if self.engine_type != EngineType.COMPLETION else "0",
-        )
+        os.environ.setdefault("DEEPINFER_USE_MULTIMODAL_POOL", "1" if role.multimodal_pool_default else "0")
         envs.rearm("DEEPINFER_USE_MULTIMODAL_POOL")
 
     def resolve_device(self) -> str:
@@ -115,6 +112,7 @@ class EngineArgs:
         )
 
     def create_engine_config(self) -> EngineConfig:
+        role = role_profile(self.engine_type)
         device = self.resolve_device()
         model = self.create_model_config(device)
         budget = self.max_num_batched_tokens or (2048 if self.chunked_prefill else max(model.max_model_len, 2048))
@@ -125,7 +123,7 @@ class EngineArgs:
             max_num_seqs=self.max_num_seqs,
             chunked_prefill=self.chunked_prefill,
             stop_preempted_request=self.stop_preempted_request,
-            num_decode_tokens_per_seq=1 + envs.DEEPINFER_USE_NEXTN_DECODE,
+            num_decode_tokens_per_seq=1 + (envs.DEEPINFER_USE_NEXTN_DECODE if role.speculative_decoding else 0),
         )
         cache = CacheConfig(
             block_size=self.block_size or default_block_size(model.hf_config, device),

@@ -16,7 +16,7 @@ class CompletionOutput:
     logprobs: Optional[list[dict[int, float]]] = None
     """Per output token: token id -> logprob (the sampled token plus the top-k asked for)."""
     finish_reason: Optional[str] = None
-    """'stop', 'length', 'abort', 'preempted' or 'error'; None while running."""
+    """A `FinishReason` (a str: 'stop', 'length', 'abort', 'preempted' or 'error'); None while running."""
     stop_reason: Optional[int | str] = None
     """The stop token id or stop string that ended the sample."""
     error: Optional[str] = None

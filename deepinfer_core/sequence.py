@@ -18,6 +18,7 @@ from typing import Optional
 
 import torch
 
+from deepinfer_core.errors import FinishReason
 from deepinfer_core.sampling_params import SamplingParams
 
 
@@ -35,17 +36,17 @@ class SequenceStatus(enum.Enum):
         return self.value >= SequenceStatus.FINISHED_STOPPED.value
 
     @property
-    def finish_reason(self) -> Optional[str]:
-        """OpenAI-style finish_reason."""
+    def finish_reason(self) -> Optional[FinishReason]:
+        """OpenAI-style finish_reason (a str enum: it compares equal to "stop", "length", ...)."""
         return _FINISH_REASONS.get(self)
 
 
 _FINISH_REASONS = {
-    SequenceStatus.FINISHED_STOPPED: "stop",
-    SequenceStatus.FINISHED_LENGTH: "length",
-    SequenceStatus.FINISHED_ABORTED: "abort",
-    SequenceStatus.FINISHED_PREEMPTED: "preempted",
-    SequenceStatus.FINISHED_IGNORED: "error",
+    SequenceStatus.FINISHED_STOPPED: FinishReason.STOP,
+    SequenceStatus.FINISHED_LENGTH: FinishReason.LENGTH,
+    SequenceStatus.FINISHED_ABORTED: FinishReason.ABORT,
+    SequenceStatus.FINISHED_PREEMPTED: FinishReason.PREEMPTED,
+    SequenceStatus.FINISHED_IGNORED: FinishReason.ERROR,
 }
 
 

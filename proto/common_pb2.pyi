@@ -160,6 +160,34 @@ class KVRegion(_message.Message):
     layout: str
     def __init__(self, base_addr: _Optional[int] = ..., num_blocks_total: _Optional[int] = ..., device_id: _Optional[int] = ..., mem_type: _Optional[str] = ..., fingerprint: _Optional[str] = ..., layout: _Optional[str] = ...) -> None: ...
 
+class KVTarget(_message.Message):
+    __slots__ = ("request_id", "engine_id", "agent_metadata", "base_addr", "num_blocks_total", "device_id", "mem_type", "block_ids", "fingerprint", "num_prompt_tokens", "expires_at", "layout")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    AGENT_METADATA_FIELD_NUMBER: _ClassVar[int]
+    BASE_ADDR_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_ID_FIELD_NUMBER: _ClassVar[int]
+    MEM_TYPE_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_AT_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    engine_id: str
+    agent_metadata: bytes
+    base_addr: int
+    num_blocks_total: int
+    device_id: int
+    mem_type: str
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    fingerprint: str
+    num_prompt_tokens: int
+    expires_at: float
+    layout: str
+    def __init__(self, request_id: _Optional[str] = ..., engine_id: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., base_addr: _Optional[int] = ..., num_blocks_total: _Optional[int] = ..., device_id: _Optional[int] = ..., mem_type: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., fingerprint: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., expires_at: _Optional[float] = ..., layout: _Optional[str] = ...) -> None: ...
+
 class WorkerLoad(_message.Message):
     __slots__ = ("worker_id", "queued_prompt_tokens", "running_requests", "waiting_requests", "total_kv_tokens", "kv_usage", "free_blocks", "num_blocks", "requests", "reservations", "prefix_queries", "prefix_hits", "kv_transfer_bytes", "handoffs", "draining", "open_streams")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]

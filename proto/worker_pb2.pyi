@@ -16,8 +16,8 @@ class PrefillRequest(_message.Message):
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     params: _common_pb2.SamplingParams
-    kv_target: bytes
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., kv_target: _Optional[bytes] = ...) -> None: ...
+    kv_target: _common_pb2.KVTarget
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., kv_target: _Optional[_Union[_common_pb2.KVTarget, _Mapping]] = ...) -> None: ...
 
 class PrefillReply(_message.Message):
     __slots__ = ("first", "kv_bytes", "kv_seconds", "queue_seconds", "kv_exposed_seconds")
@@ -48,8 +48,8 @@ class ReserveRequest(_message.Message):
 class ReserveReply(_message.Message):
     __slots__ = ("kv_target",)
     KV_TARGET_FIELD_NUMBER: _ClassVar[int]
-    kv_target: bytes
-    def __init__(self, kv_target: _Optional[bytes] = ...) -> None: ...
+    kv_target: _common_pb2.KVTarget
+    def __init__(self, kv_target: _Optional[_Union[_common_pb2.KVTarget, _Mapping]] = ...) -> None: ...
 
 class StreamRequest(_message.Message):
     __slots__ = ("request_id",)

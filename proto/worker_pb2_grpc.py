@@ -59,7 +59,8 @@ class PrefillServicer:
 
     def Prefill(self, request, context):
         """Prefill a prompt, write its KV into the CE reservation `kv_target`, return the first token.
-        Answers once the hand-off is done (or failed: FAILED_PRECONDITION for a refused target,
+        Answers once the hand-off is done (or failed: INVALID_ARGUMENT for a request this engine
+        cannot serve, FAILED_PRECONDITION for a refused target, RESOURCE_EXHAUSTED when full,
         INTERNAL for a failed transfer, UNAVAILABLE when draining).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -236,7 +237,8 @@ class DecodeServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Stream(self, request, context):
-        """The request's output from its first token on; cancelling the call aborts the request.
+        """The request's output after its first token (which the PE's Prefill reply carries): the first
+        delta has token_offset 1. Cancelling the call aborts the request.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -49,12 +49,14 @@ Steps of a PROMPT engine never overlap (its hand-off needs the step's own post-p
 from __future__ import annotations
 
 import time
+from collections.abc import Container
 from dataclasses import dataclass, field
 from typing import Optional
 
-from deepinfer_core.sampling.sampler import SamplingRow
+from deepinfer_core.sampling.sampling_row import SamplingRow
 from deepinfer_core.sampling_params import SamplingParams
 from deepinfer_core.scheduler.outputs import SchedulerOutputs
+from deepinfer_core.scheduler.scheduler import Scheduler
 from deepinfer_core.sequence import Sequence
 from deepinfer_core.worker.model_runner import PlaceholderFill, StepHandle
 
@@ -78,6 +80,31 @@ class InFlightStep:
     @classmethod
     def launched(cls, out: SchedulerOutputs, handle: StepHandle, rows: list[list[SamplingRow]]) -> InFlightStep:
         return cls(out, handle, [len(r) for r in rows])
+
+
+def advance(step: InFlightStep, live_requests: Container[str], scheduler: Scheduler, max_model_len: int) -> bool:
+    """Move an in-flight step's sequences on without its tokens (what `post_process` does before
+    the samples): computed length, prefix-cache commit, and a placeholder per sample.
+    Returns True when the next schedule must see the step's tokens (the fallbacks above)."""
+    out = step.out
+    for i, seq in enumerate(out.scheduled_seqs):
+        if seq.request_id not in live_requests or seq.is_finished:
+            continue  # aborted, or ended by the step before this one: this step's sample is dropped
+        step.live.add(i)
+        seq.num_cached_tokens += out.num_new_tokens[i]
+        assert not has_placeholder(seq)  # so the committed blocks hold real tokens only
+        scheduler.commit_computed(seq)
+        if step.num_rows[i]:
+            append_placeholder(seq)
+            step.pending[i] = seq
+    if must_resolve_before_schedule(step):
+        return True
+    for i, seq in step.pending.items():
+        # Its sample ends it whatever the value: free its blocks and skip it from the next
+        # schedule on, as the synchronous step would (a fan-out needs its blocks to fork).
+        if step.num_rows[i] == 1 and seq in scheduler.running and ends_by_length(seq, max_model_len):
+            scheduler.retire_seq(seq)
+    return False
 
 
 def append_placeholder(seq: Sequence) -> None:

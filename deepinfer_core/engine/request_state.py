@@ -27,6 +27,16 @@ class RequestState:
     forked: bool = False
     prompt_logprobs: Optional[list[Optional[dict[int, float]]]] = None
 
+    def add_detokenizer(self, tokenizer, seq: Sequence) -> None:
+        """Stream `seq`'s text as its tokens come (none without a tokenizer or when not asked)."""
+        if tokenizer is None or not seq.params.detokenize:
+            return
+        from deepinfer_core.detokenizer import IncrementalDetokenizer
+
+        self.detokenizers[seq.seq_id] = IncrementalDetokenizer(
+            tokenizer, seq.prompt_token_ids, skip_special_tokens=seq.params.skip_special_tokens
+        )
+
     @property
     def finished(self) -> bool:
         complete = self.forked or self.params.n == 1 or self.seqs[0].is_finished

@@ -11,9 +11,9 @@ fp32, and the loader's copy rounds it once to the model dtype.
 
 Activations stay in the model dtype (W8A16). A "dynamic" activation scheme, which these
 checkpoints name, brings no tensors: its reference implementation quantizes activations at run
-time to e4m3 as well. Measured on an H200 (deploy/benchmarks.md), that made the experts' prefill
-1.1x faster than bf16 experts (W8A16: 0.66x), but their output's error against exact fp32 was
-4.4e-2, against 4.6e-3 for W8A16, so exactness wins here.
+time to e4m3 as well. That made the experts' prefill faster than W8A16's and than bf16 experts',
+but it put the output many times further from exact fp32 than W8A16 does, so exactness wins here
+(docs/benchmarks.md, "Figures formerly in code").
 A "static" scheme would bring activation scales and is refused, as is every other `quant_method`.
 """
 

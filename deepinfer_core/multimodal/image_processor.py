@@ -23,6 +23,8 @@ import numpy as np
 import torch
 from PIL import Image, UnidentifiedImageError
 
+from deepinfer_core.errors import InvalidRequestError
+
 OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 PREPROCESSOR_FILE = "preprocessor_config.json"
@@ -100,22 +102,24 @@ def load_image(image: Any) -> Image.Image:
     """A decoded PIL image from any accepted input (see the module doc).
 
     Raises:
-        ValueError: the input is not an image or cannot be decoded.
+        InvalidRequestError: the input is not an image or cannot be decoded.
     """
     if isinstance(image, Image.Image):
         return image
     if isinstance(image, np.ndarray):
         if image.dtype != np.uint8 or image.ndim not in (2, 3):
-            raise ValueError(f"an image array must be uint8 [H, W] or [H, W, C], got {image.dtype} {image.shape}")
+            raise InvalidRequestError(
+                f"an image array must be uint8 [H, W] or [H, W, C], got {image.dtype} {image.shape}"
+            )
         return Image.fromarray(image)
     if isinstance(image, str) and image.startswith("data:"):
         try:
             image = base64.b64decode(image.split(",", 1)[1], validate=True)
         except (IndexError, ValueError) as e:
-            raise ValueError(f"not a base64 data URL of an image: {e}") from None
+            raise InvalidRequestError(f"not a base64 data URL of an image: {e}") from None
     if isinstance(image, (str, os.PathLike)):
         if not os.path.isfile(image):
-            raise ValueError(f"image file {str(image)!r} does not exist")
+            raise InvalidRequestError(f"image file {str(image)!r} does not exist")
         with open(image, "rb") as f:
             image = f.read()
     if isinstance(image, (bytes, bytearray, memoryview)):
@@ -123,9 +127,9 @@ def load_image(image: Any) -> Image.Image:
             decoded = Image.open(io.BytesIO(bytes(image)))
             decoded.load()
         except (UnidentifiedImageError, OSError, SyntaxError) as e:
-            raise ValueError(f"cannot decode the image data ({len(image)} bytes): {e}") from None
+            raise InvalidRequestError(f"cannot decode the image data ({len(image)} bytes): {e}") from None
         return decoded
-    raise ValueError(
+    raise InvalidRequestError(
         f"not an image: got {type(image).__name__}; pass a PIL image, encoded bytes, a file path, "
         "a data URL or a uint8 array"
     )

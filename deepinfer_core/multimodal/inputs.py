@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
+from deepinfer_core.errors import InvalidRequestError
+
 _INT64 = 1 << 64
 _GOLDEN = 0x9E3779B97F4A7C15  # spreads consecutive positions over the 64-bit range
 
@@ -60,14 +62,14 @@ def expand_image_placeholders(
     """(prompt with every placeholder expanded to `tokens_per_image` tokens, offset of each image).
 
     Raises:
-        ValueError: the placeholders do not match the images in number (or in expanded length).
+        InvalidRequestError: the placeholders do not match the images in number (or in expanded length).
     """
     runs = _runs(token_ids, image_token_id)
     if len(runs) == num_images and all(n == tokens_per_image for _, n in runs):
         return list(token_ids), [start for start, _ in runs]
     count = sum(n for _, n in runs)
     if count != num_images or any(n != 1 for _, n in runs):
-        raise ValueError(
+        raise InvalidRequestError(
             f"the prompt has {count} image placeholder token(s) (id {image_token_id}) but {num_images} image(s) "
             f"were given; put one placeholder per image (or {tokens_per_image} consecutive ones, pre-expanded)"
         )

@@ -16,6 +16,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
+from deepinfer_core.errors import InvalidRequestError
 from deepinfer_core.multimodal.image_processor import ImageProcessorConfig, preprocess_images
 from deepinfer_core.multimodal.inputs import ImagePlaceholder, content_hash, expand_image_placeholders
 
@@ -51,24 +52,25 @@ class MultiModalProcessor:
         for i, e in enumerate(items):
             if not isinstance(e, torch.Tensor) or tuple(e.shape) != want:
                 got = tuple(e.shape) if isinstance(e, torch.Tensor) else type(e).__name__
-                raise ValueError(f"image_embeds[{i}] must be a tensor of shape {list(want)}, got {got}")
+                raise InvalidRequestError(f"image_embeds[{i}] must be a tensor of shape {list(want)}, got {got}")
         return items, [content_hash(e) for e in items]
 
     def process(self, token_ids: list[int], data: dict[str, Any]) -> tuple[list[int], list[ImagePlaceholder]]:
         """(expanded prompt ids, one placeholder per image).
 
         Raises:
-            ValueError: an unknown modality, not an image, or placeholders that do not match the images.
+            InvalidRequestError: an unknown modality, not an image, or placeholders that do not match
+                the images.
         """
         unknown = sorted(set(data) - set(MODALITIES))
         if unknown or len(data) != 1:
-            raise ValueError(f"multi_modal_data takes exactly one of {MODALITIES}, got {sorted(data)}")
+            raise InvalidRequestError(f"multi_modal_data takes exactly one of {MODALITIES}, got {sorted(data)}")
         if "image_embeds" in data:
             embeds, hashes = self._given_embeds(data["image_embeds"])
         else:
             images = data["image"] if isinstance(data["image"], (list, tuple)) else [data["image"]]
             if not images:
-                raise ValueError("multi_modal_data['image'] is empty")
+                raise InvalidRequestError("multi_modal_data['image'] is empty")
             ids, _ = expand_image_placeholders(token_ids, self.image_token_id, self.tokens_per_image, len(images))
             stacked, hashes = self.encode(images)
             embeds = list(stacked.unbind(0))
@@ -80,9 +82,9 @@ class MultiModalProcessor:
         return ids, placeholders
 
     def check_text_only(self, token_ids: list[int]) -> None:
-        """ValueError when a prompt without images still holds image placeholders."""
+        """InvalidRequestError when a prompt without images still holds image placeholders."""
         count = token_ids.count(self.image_token_id)
         if count:
-            raise ValueError(
+            raise InvalidRequestError(
                 f"the prompt has {count} image placeholder token(s) (id {self.image_token_id}) but no images were given"
             )

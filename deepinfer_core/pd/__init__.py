@@ -1,1 +1,1 @@
-"""Prefill/decode disaggregation: the PROMPT and COMPLETION engines and a two-process harness."""
+"""Prefill/decode disaggregation: the PROMPT and COMPLETION engines."""

@@ -20,8 +20,9 @@ from typing import Optional
 
 from deepinfer_core.engine.llm_engine import LLMEngine
 from deepinfer_core.engine.load import EngineLoad
-from deepinfer_core.engine_type import EngineType
+from deepinfer_core.errors import CapacityError, InvalidRequestError
 from deepinfer_core.outputs import RequestOutput
+from deepinfer_core.roles import EngineType
 from deepinfer_core.sampling.sampler import replay_draws
 from deepinfer_core.sampling_params import SamplingParams
 from deepinfer_core.sequence import Sequence, SequenceStatus
@@ -30,10 +31,6 @@ from deepinfer_core.transfer.messages import HandoffNotice, KVTarget
 from deepinfer_core.transfer.nixl_agent import NixlKVAgent
 
 logger = logging.getLogger(__name__)
-
-
-class KVCapacityError(RuntimeError):
-    """The CE has too few free KV blocks for a reservation right now (retry elsewhere or later)."""
 
 
 @dataclass
@@ -70,17 +67,22 @@ class CompletionEngine(LLMEngine):
         lease_s: Optional[float] = None,
     ) -> KVTarget:
         """Reserve blocks for prompt + 1 tokens; the returned target tells a PE where to write.
-        `lease_s`: None takes `PDConfig.lease_s`."""
+        `lease_s`: None takes `PDConfig.lease_s`.
+
+        Raises:
+            CapacityError: too few free KV blocks or state slots now (retry elsewhere or later).
+            InvalidRequestError: n > 1, or what `add_request` refuses.
+        """
         params = params or SamplingParams()
         lease_s = self.config.pd.lease_s if lease_s is None else lease_s
         if params.n != 1:
-            raise ValueError("a decode engine takes one sample per request (n=1); fan out n before prefill")
+            raise InvalidRequestError("a decode engine takes one sample per request (n=1); fan out n before prefill")
         seq = self.add_request(request_id, prompt, params, prompt_token_ids, enqueue=False)
         bm = self.scheduler.block_manager
         needed = bm.blocks_needed(len(seq) + 1)
         if needed > bm.num_free_blocks or not self.scheduler.state_slots.can_allocate():
             self.requests.pop(request_id, None)
-            raise KVCapacityError(
+            raise CapacityError(
                 f"decode engine {self.name} has {bm.num_free_blocks} free KV blocks; request {request_id!r} needs {needed}"
             )
         seq.block_table = [bm.allocate_block() for _ in range(needed)]

@@ -26,34 +26,19 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from deepinfer_core import envs
+from deepinfer_core.engine.handoff_result import HandoffResult
 from deepinfer_core.engine.llm_engine import LLMEngine
 from deepinfer_core.engine.load import EngineLoad
-from deepinfer_core.engine_type import EngineType
+from deepinfer_core.errors import InvalidRequestError, KVTargetRejected, TransferError
+from deepinfer_core.roles import EngineType
 from deepinfer_core.sampling_params import SamplingParams
 from deepinfer_core.scheduler.outputs import SchedulerOutputs
 from deepinfer_core.sequence import Sequence
 from deepinfer_core.transfer.layout import KVLayout
 from deepinfer_core.transfer.messages import HandoffNotice, KVRegion, KVTarget
-from deepinfer_core.transfer.nixl_agent import NixlKVAgent, PreparedWrite, Transfer, TransferError
+from deepinfer_core.transfer.nixl_agent import NixlKVAgent, PreparedWrite, Transfer
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class HandoffResult:
-    """How one request's hand-off ended, for the caller of the PE (router, harness)."""
-
-    request_id: str
-    ok: bool
-    first_token: int = -1
-    num_computed_tokens: int = 0
-    num_bytes: int = 0
-    seconds: float = 0.0
-    """First post (an early chunk's, when streamed) to completion of the last KV write."""
-    exposed_seconds: float = 0.0
-    """From the end of the last forward (its last layer group posted) to completion of every
-    write: what the hand-off adds to TTFT."""
-    error: Optional[str] = None
 
 
 @dataclass
@@ -108,10 +93,10 @@ class PromptEngine(LLMEngine):
         """Connect to a CE ahead of its first hand-off (at registration, not on a request's path).
 
         With the CE's KV `region`, its descriptor list is prepared now too, so no request pays
-        for it. Raises ValueError (and connects nothing) for a CE whose KV layout differs.
+        for it. Raises KVTargetRejected (and connects nothing) for a CE whose KV layout differs.
         """
         if region is not None and region.fingerprint and region.fingerprint != self.layout.fingerprint:
-            raise ValueError(
+            raise KVTargetRejected(
                 f"KV layout mismatch with decode engine {name!r}: it has [{region.layout or region.fingerprint}], "
                 f"this prefill engine has [{self.layout.describe()}]"
             )
@@ -125,24 +110,30 @@ class PromptEngine(LLMEngine):
         prompt_token_ids: Optional[list[int]] = None,
         prompt: Optional[str] = None,
     ) -> Sequence:
-        """Admit a request whose KV goes to `target` (a CE's reservation)."""
+        """Admit a request whose KV goes to `target` (a CE's reservation).
+
+        Raises:
+            KVTargetRejected: the target's KV layout differs, its lease has expired, or it reserves
+                room for another prompt length.
+            InvalidRequestError: n > 1, or what `add_request` refuses.
+        """
         params = params or SamplingParams()
         if target.fingerprint != self.layout.fingerprint:
-            raise ValueError(
+            raise KVTargetRejected(
                 f"KV layout mismatch for request {request_id!r}: the decode engine has "
                 f"[{target.layout or target.fingerprint}], this prefill engine has [{self.layout.describe()}]"
             )
         if params.n != 1:
-            raise ValueError("a prefill engine takes one sample per request (n=1); fan out n before prefill")
+            raise InvalidRequestError("a prefill engine takes one sample per request (n=1); fan out n before prefill")
         if target.expires_at and time.time() > target.expires_at:
-            raise ValueError(f"the KV reservation for {request_id!r} has expired")
+            raise KVTargetRejected(f"the KV reservation for {request_id!r} has expired")
         first = params.clone()
         first.max_tokens, first.min_tokens = 1, min(params.min_tokens, 1)
         seq = self.add_request(request_id, prompt, first, prompt_token_ids)
         needed = self.scheduler.block_manager.blocks_needed(len(seq))
         if len(target.block_ids) < needed or target.num_prompt_tokens != len(seq):
             self.abort_request(request_id)
-            raise ValueError(
+            raise KVTargetRejected(
                 f"KV target for {request_id!r} reserves {len(target.block_ids)} blocks for "
                 f"{target.num_prompt_tokens} tokens; the prompt has {len(seq)} tokens ({needed} blocks)"
             )

@@ -10,14 +10,11 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from itertools import chain
-from typing import TYPE_CHECKING
 
 import torch
 
+from deepinfer_core.sampling.sampling_row import SamplingRow
 from deepinfer_core.worker.events import to_device
-
-if TYPE_CHECKING:
-    from deepinfer_core.sampling.sampler import SamplingRow
 
 
 def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:

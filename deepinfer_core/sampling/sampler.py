@@ -15,7 +15,6 @@ step's sample-end sync is the only wait. `Sampler.__call__` is both at once.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -23,21 +22,11 @@ import torch
 
 from deepinfer_core.sampling.logprobs import QueuedLogprobs, compute_prompt_logprobs, queue_logprobs
 from deepinfer_core.sampling.penalties import apply_min_tokens_mask, apply_penalties
+from deepinfer_core.sampling.sampling_row import SamplingRow
 from deepinfer_core.sampling_params import SamplingParams
 from deepinfer_core.worker.events import HostCopy, to_device
 
-__all__ = ["QueuedSample", "Sampler", "SamplerOutput", "SamplingRow", "compute_prompt_logprobs"]
-
-
-@dataclass
-class SamplingRow:
-    """What the sampler needs about one row of logits."""
-
-    params: SamplingParams
-    prompt_token_ids: Sequence[int]  # the request's prompt
-    output_token_ids: Sequence[int]  # tokens generated so far (before this step)
-    generator: Optional[torch.Generator]  # per-request RNG (on the logits' device) when params.seed is set
-    eos_token_id: Optional[int] = None  # banned while len(output_token_ids) < params.min_tokens
+__all__ = ["QueuedSample", "Sampler", "SamplerOutput", "compute_prompt_logprobs"]
 
 
 @dataclass

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Optional, Union
 
+from deepinfer_core.errors import FinishReason
 from deepinfer_core.sampling_params import SamplingParams
 
 
@@ -21,13 +22,13 @@ class StopDecision:
     """Whether to finish a request after its latest token, in OpenAI/vLLM terms."""
 
     finished: bool
-    reason: Optional[str]  # OpenAI finish_reason: "stop" | "length" | None
+    reason: Optional[FinishReason]  # OpenAI finish_reason: STOP | LENGTH | None
     stop_reason: Optional[Union[int, str]]  # matched stop token id or stop string; None for EOS/length
     truncate_text_to: Optional[int]  # stop string matched: keep output_text[:truncate_text_to]
 
 
 NOT_FINISHED = StopDecision(finished=False, reason=None, stop_reason=None, truncate_text_to=None)
-_LENGTH = StopDecision(finished=True, reason="length", stop_reason=None, truncate_text_to=None)
+_LENGTH = StopDecision(finished=True, reason=FinishReason.LENGTH, stop_reason=None, truncate_text_to=None)
 
 
 def check_stop(
@@ -66,9 +67,9 @@ def check_stop(
 
 def _check_stop_token(params: SamplingParams, token_id: int, eos_token_id: Optional[int]) -> Optional[StopDecision]:
     if not params.ignore_eos and eos_token_id is not None and token_id == eos_token_id:
-        return StopDecision(finished=True, reason="stop", stop_reason=None, truncate_text_to=None)
+        return StopDecision(finished=True, reason=FinishReason.STOP, stop_reason=None, truncate_text_to=None)
     if token_id in (params.stop_token_ids or ()):
-        return StopDecision(finished=True, reason="stop", stop_reason=token_id, truncate_text_to=None)
+        return StopDecision(finished=True, reason=FinishReason.STOP, stop_reason=token_id, truncate_text_to=None)
     return None
 
 
@@ -87,4 +88,4 @@ def _check_stop_strings(params: SamplingParams, output_text: str, new_text_len: 
         return None
     index, stop_str = best
     cut = index + len(stop_str) if params.include_stop_str_in_output else index
-    return StopDecision(finished=True, reason="stop", stop_reason=stop_str, truncate_text_to=cut)
+    return StopDecision(finished=True, reason=FinishReason.STOP, stop_reason=stop_str, truncate_text_to=cut)

@@ -13,16 +13,14 @@ some means a rank with nothing runs an empty prefill step to keep the collective
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 
 from deepinfer_core import envs
 from deepinfer_core.scheduler.outputs import SchedulerOutputs
-
-if TYPE_CHECKING:
-    from deepinfer_core.scheduler.scheduler import Scheduler
 
 
 class DPVote:
@@ -45,23 +43,36 @@ class DPVote:
         self.num_votes += 1
         return int(t.item())
 
-    def schedule(self, sched: Scheduler) -> SchedulerOutputs:
-        step = sched.decode_step
-        is_any_point = step != 0 and step % self.any_interval == 0
-        is_all_point = step % self.all_interval == 0
+    def schedule(
+        self,
+        decode_step: int,
+        wants_prefill: Callable[[], bool],
+        prefill: Callable[[], Optional[SchedulerOutputs]],
+        decode: Callable[[], SchedulerOutputs],
+    ) -> SchedulerOutputs:
+        """This rank's step, of the kind every rank takes.
+
+        Args:
+            decode_step: decode steps since this rank's last prefill step (where the vote points are).
+            wants_prefill: whether this rank has prefill work it can take (asked at vote points only).
+            prefill: builds this rank's prefill step; None when nothing could be scheduled.
+            decode: builds this rank's decode step.
+        """
+        is_any_point = decode_step != 0 and decode_step % self.any_interval == 0
+        is_all_point = decode_step % self.all_interval == 0
         if not is_any_point and not is_all_point:
-            return sched._schedule_decode()
-        want = sched.wants_prefill()
+            return decode()
+        want = wants_prefill()
         if is_any_point:
             do_prefill = self._allreduce_min(0 if want else 1) == 0
         else:
             do_prefill = self._allreduce_min(1 if want else 0) == 1
         if not do_prefill:
-            return sched._schedule_decode()
-        out = sched._schedule_prefill() if want else None
+            return decode()
+        out = prefill() if want else None
         any_scheduled = self._allreduce_min(0 if out is not None else 1) == 0
         if not any_scheduled:
-            return sched._schedule_decode()
+            return decode()
         if out is not None:
             return out
         return SchedulerOutputs(prompt_run=True)  # keep step kinds aligned across ranks

@@ -17,8 +17,7 @@ from collections import deque
 from typing import Optional
 
 from deepinfer_core.config import CacheConfig, SchedulerConfig
-from deepinfer_core.engine_type import EngineType
-from deepinfer_core.role_profile import role_profile
+from deepinfer_core.roles import EngineType, role_profile
 from deepinfer_core.sampling_params import SamplingParams
 from deepinfer_core.scheduler.block_manager import BlockManager
 from deepinfer_core.scheduler.dp_vote import DPVote
@@ -36,13 +35,13 @@ class Scheduler:
         dp_vote: Optional[DPVote] = None,
         num_state_slots: int = 0,
     ):
-        if config.engine_type == EngineType.COMPLETION and not config.stop_preempted_request:
+        self.role = role_profile(config.engine_type)
+        if self.role.requires_stop_preempted_request and not config.stop_preempted_request:
             # SchedulerConfig refuses this too; kept here because the scheduler is the piece
             # that would otherwise park a preempted request in `waiting` forever.
-            raise ValueError("COMPLETION engine requires stop_preempted_request=True")
+            raise ValueError(f"{config.engine_type.name} engine requires stop_preempted_request=True")
         self.config = config
         self.engine_type = config.engine_type
-        self.role = role_profile(config.engine_type)
         self.block_manager = BlockManager(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching)
         self.dp_vote = dp_vote
         self.state_slots = StateSlots(num_state_slots)
@@ -52,6 +51,9 @@ class Scheduler:
         self._finished: list[Sequence] = []  # ended since the last schedule; released next step
         self._ids = itertools.count(1 << 32)  # ids for forks; requests bring their own
         self.decode_step = 0  # decode steps since the last prefill step (DP vote points)
+        self.expert_balance_steps = 0
+        """Steps an expert-parallel load balancer counts toward its next rearrangement (SPEC §1, §6);
+        which steps count is the role's `eplb_counts_every_step`."""
         self.num_preemptions = 0
 
     # ---- admission ---------------------------------------------------------------------
@@ -78,6 +80,8 @@ class Scheduler:
             self.decode_step = 0
         else:
             self.decode_step += 1
+        if self.role.eplb_counts_every_step or self.decode_step > 1:  # NORMAL: not a prefill step, nor the next
+            self.expert_balance_steps += 1
         return out
 
     def _schedule(self) -> SchedulerOutputs:
@@ -89,7 +93,9 @@ class Scheduler:
             if self.dp_vote is None:
                 out = self._schedule_prefill()
                 return out if out is not None else self._schedule_decode()
-            return self.dp_vote.schedule(self)
+            return self.dp_vote.schedule(
+                self.decode_step, self.wants_prefill, self._schedule_prefill, self._schedule_decode
+            )
         raise RuntimeError(f"unknown engine_type {self.engine_type!r}")
 
     def wants_prefill(self) -> bool:

@@ -2,7 +2,8 @@
 
 `KVRegion` is published once, when a CE registers (a PE prepares its descriptor list for it
 then; it travels in the `KVRegion` proto of `WorkerInfo` / `ConnectPeerRequest`). The target
-and the notice travel with every request as versioned JSON (agent metadata is base64), never
+travels between services as the `KVTarget` proto (a CE's Reserve reply, a PE's Prefill request);
+its JSON form (`to_bytes`) and the notice's are versioned JSON (agent metadata is base64), never
 pickle: they cross process and host boundaries and may come from a different build.
 """
 

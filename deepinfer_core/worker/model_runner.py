@@ -19,7 +19,8 @@ from torch import nn
 
 from deepinfer_core.config import EngineConfig
 from deepinfer_core.sampling.logprobs import QueuedLogprobs, queue_logprobs
-from deepinfer_core.sampling.sampler import QueuedSample, Sampler, SamplerOutput, SamplingRow
+from deepinfer_core.sampling.sampler import QueuedSample, Sampler, SamplerOutput
+from deepinfer_core.sampling.sampling_row import SamplingRow
 from deepinfer_core.scheduler.outputs import SchedulerOutputs
 from deepinfer_core.worker.cache_engine import CacheEngine
 from deepinfer_core.worker.events import to_device
@@ -199,14 +200,15 @@ class ModelRunner:
     def profile_shapes(self) -> list[tuple[int, int]]:
         """(new tokens, context length) per dummy sequence of the peak-memory forward.
 
-        PROMPT/NORMAL: prefill shapes filling the token budget with sequences up to
-        max_model_len. COMPLETION: decode shapes, max_num_seqs sequences of 1 + nextn tokens.
+        The role's largest forward carries `max_step_tokens`. PROMPT/NORMAL: prefill shapes filling
+        it with sequences up to max_model_len. COMPLETION: decode shapes, max_num_seqs sequences
+        of 1 + nextn tokens.
         """
         sched = self.config.scheduler
-        if not self.config.role.profile_with_prefill_shapes:
+        if self.config.role.peak_step == "decode":
             k = sched.num_decode_tokens_per_seq
-            return [(k, k)] * sched.max_num_seqs
-        budget, shapes = sched.max_num_batched_tokens, []
+            return [(k, k)] * (sched.max_step_tokens // k)
+        budget, shapes = sched.max_step_tokens, []
         while budget > 0 and len(shapes) < sched.max_num_seqs:
             n = min(budget, sched.max_model_len)
             shapes.append((n, n))

@@ -12,8 +12,8 @@ from kernels.registry import interpreting
 
 
 # Host-side integer helpers in plain Python: Triton's `cdiv` and `next_power_of_2` are constexpr
-# functions whose call path cost ~6 us each on a 2-core machine, and a launcher called them up to a
-# dozen times per op.
+# functions with a slow call path from the host, and a launcher called them up to a dozen times per
+# op (docs/benchmarks.md, "Figures formerly in code").
 def cdiv(a: int, b: int) -> int:
     return -(-int(a) // int(b))
 

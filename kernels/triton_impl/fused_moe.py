@@ -25,7 +25,8 @@ read as stored, half the bytes of bf16 (decode is bound by those bytes): each we
 dequantized in registers (value x its block's factor, rounded once to the activation dtype, as
 dequantizing the checkpoint would) and the dots accumulate as for bf16 weights. Scaling each K
 tile's partial dot instead kept the weights exact but broke the accumulator chain of the tensor-core
-pipeline: prefill ran 4x slower than with bf16 weights.
+pipeline: prefill ran several times slower than with bf16 weights (docs/benchmarks.md, "Figures
+formerly in code").
 
 Blocks past the padded row count exit at once, so the grid depends only on (T, k, E): no host
 sync, CUDA-graph capturable.
@@ -216,7 +217,7 @@ def _sum_choices_kernel(rows_ptr, out_ptr, H, TOP_K: tl.constexpr, BLOCK_H: tl.c
 
 
 def sum_choices(rows: torch.Tensor, top_k: int) -> torch.Tensor:
-    """[T * k, H] -> [T, H]: one pass at copy speed (torch's strided sum over k reached ~70 % of it)."""
+    """[T * k, H] -> [T, H]: one pass at copy speed (torch's strided sum over k fell well short of it)."""
     TK, H = rows.shape
     out = torch.empty((TK // top_k, H), dtype=rows.dtype, device=rows.device)
     block_h = 16 if small_tiles() else min(1024, next_pow2(H))
@@ -226,7 +227,7 @@ def sum_choices(rows: torch.Tensor, top_k: int) -> torch.Tensor:
 
 def default_configs(num_rows: int, num_experts: int, dtype: torch.dtype = torch.bfloat16) -> tuple[dict, dict]:
     """(gate/up config, down config) for a batch of `num_rows` = T*k rows; tiles measured on an
-    H200 (deploy/benchmarks.md); fp32 (numerics tests) gets small ones."""
+    H200 (docs/benchmarks.md, "Kernels"); fp32 (numerics tests) gets small ones."""
     if small_tiles():
         c = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "GROUP_M": 1, "num_warps": 1, "num_stages": 1}
         return c, c
@@ -238,7 +239,7 @@ def default_configs(num_rows: int, num_experts: int, dtype: torch.dtype = torch.
         up = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 1, "num_warps": 4, "num_stages": 4}
         down = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 1, "num_warps": 4, "num_stages": 4}
         return up, down
-    # prefill: expert weights by TMA (sm_90+; pointer loads elsewhere), 7-11 % faster than pointer loads
+    # prefill: expert weights by TMA (sm_90+; pointer loads elsewhere), faster than pointer loads
     up = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 3, "TMA": True}
     down = {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 3, "TMA": True}
     return up, down

@@ -148,7 +148,7 @@ def _mla_decode_kernel(
 
 
 def default_config(num_heads: int, lora: int, dtype: torch.dtype = torch.bfloat16) -> dict:
-    """Tiles measured on an H200 (deploy/benchmarks.md); fp32 (numerics tests) gets small ones."""
+    """Tiles measured on an H200 (docs/benchmarks.md, "Kernels"); fp32 (numerics tests) gets small ones."""
     if small_tiles():
         return {"BLOCK_H": 16, "BLOCK_N": 16, "num_warps": 1, "num_stages": 1, "per_sm": 1}
     if dtype == torch.float32:

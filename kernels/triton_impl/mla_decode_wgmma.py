@@ -1,6 +1,10 @@
 """MLA decode attention for Hopper (sm_90), warp-specialised: two consumer warp groups that take
 turns on 128-token steps and two producer warps, one per buffer, that bring the latent rows.
 
+This file is longer than the project's 400 lines on purpose: the producer and consumer partitions,
+their barriers and the one-way hand-over of the row maximum are a single schedule, each part timed
+against the others, and it reads only as a whole.
+
 Same contract as `mla_decode.mla_decode_attention` (64 heads per program, split-KV partials merged
 by the caller). With 64 heads as the MMA's rows and 128 heads, this op is compute-bound. Two warp
 groups in lock step on 64-token tiles (this kernel's predecessor) each computed scores for only 32
@@ -22,47 +26,40 @@ softmax and the cross-group maximum. Here:
   loop), so loads and one group's softmax run under the other group's tensor-core work.
 
 What the loads cost. Each of the two programs of a sequence (64 heads each) reads every latent row,
-so at 128 heads a step moves 144 KiB from L2 into each multiprocessor's shared memory. At batch 64
-and 4k context on one H200, the loads alone (consumers that only wait and free) took 104-110 us and
-the consumers alone (no copies after the first step) 120 us; the kernel with one `cp.async`
-producer warp group took 158-166 us. Medians of variants timed side by side (pages of 16 / 64
-tokens):
-- TMA boxes of a page (at most 64 rows) x 64 columns instead of per-thread `cp.async`: 160.6
-  against 159.4 us / 143.6 against 158.4 us (a half is 4-5 boxes at 64-token pages, 16-20 at 16);
+so at 128 heads a step moves 144 KiB from L2 into each multiprocessor's shared memory. The loads
+alone and the consumers alone each take most of the kernel's time, so the kernel is only as fast as
+it overlaps them. Variants timed side by side chose the loads' shape:
+- TMA boxes of a page (at most 64 rows) x 64 columns instead of per-thread `cp.async` (a half is
+  4-5 boxes at 64-token pages, 16-20 at 16): faster at 64-token pages, alike at 16;
 - the rope columns travel with the half a block's scores start on (only the scores read them), so
-  the half freed last, at the end of a step, is the smaller one: 167.0 -> 160.7 / 149.5 -> 147.2;
+  the half freed last, at the end of a step, is the smaller one;
 - one producer per buffer: with one producer, a half's refill waited behind the other buffer's,
-  freed in a different order: 160.7 -> 142.9 / 147.2 -> 144.0.
+  freed in a different order.
 - not kept: the two programs of a sequence as a 2-CTA cluster, each CTA bringing half of a
   block's rows by TMA multicast into both. That halves the L2 reads, but a half is then refilled
-  only once both multiprocessors' consumers have freed it: 167.0 against 139.8 us / 157.5 against
-  137.4 us. The loads alone are no faster with multicast (105.2 against 95.6 us / 93.2 against
-  92.4): each multiprocessor still takes in 144 KiB a step (deploy/benchmarks.md).
+  only once both multiprocessors' consumers have freed it, and the kernel was slower; the loads
+  alone are no faster with multicast: each multiprocessor still takes in 144 KiB a step.
 
-Where the time goes (after a read flush, deploy/benchmarks.md; pages of 64 / 16 tokens), before
-the 3D boxes below: the kernel 126.9 / 134.9 us, its loads alone 78.1 / 84.1, its consumers alone
-113.6 / 115.6. At 16-token pages half a block was 16-20 boxes instead of 4-5, and issuing them sits
-on the refill chain; the engine gives MLA models 64-token blocks on CUDA
-(`engine_args.default_block_size`). Since then a 64-token block's half comes as one 3D box (2 with
-the rope columns) and TMA-filled blocks skip the consumers' proxy fences: 128.8 -> 127.6 us at
-64-token pages, 136.1 -> 135.4 at 16 (the fences only).
-Of the 127.6 us, ~11-13 are a fixed cost: the kernel at zero length takes 10.7-11.0 us (a
-one-element fill 3.7-3.8, launch and events), a fit over 1k-8k contexts gives 12.7 us + 28.1 us per
-1k tokens (3.5 us a 128-token step). Q's 9.4 MB read before the first step and the output's 8.4 MB
-written after the last are ~4.2 us at the copy rate, and the tensor cores wait through both. The
-copies after the first step add ~15 us: ~8 of it their shared-memory traffic beside the consumers'
-(copies that nobody waits for: 120.3 us; no copies: 112.4), ~7 the consumers waiting for refills,
-which are not DRAM-bound (an L2 prefetch of the next block made it slower: 134.0 us).
+Where the time goes (after a read flush). At 16-token pages half a block was 16-20 boxes instead
+of 4-5, and issuing them sits on the refill chain, so the kernel was slower there; the engine gives
+MLA models 64-token blocks on CUDA (`engine_args.default_block_size`). Since then a 64-token block's
+half comes as one 3D box (2 with the rope columns) and TMA-filled blocks skip the consumers' proxy
+fences. Part of the time is a fixed cost: the kernel at zero length (launch, events, a fill), and
+Q's read before the first step and the output's write after the last, through both of which the
+tensor cores wait. The copies after the first step cost the rest beyond the consumers' work: their
+shared-memory traffic beside the consumers', and the consumers waiting for refills, which are not
+DRAM-bound (an L2 prefetch of the next block made it slower).
 
 The output. Every program stores its 64 x 512 outputs at the same moment, at the end. From the
-accumulator's layout (two adjacent values of a row per thread) that took ~5 us of the kernel's ~130
-(per-program %globaltimer marks: 0.5 us without the store). Each group now writes its half into a
-freed K buffer and sends it by TMA (4 boxes of 64 x 64): 146.2 -> 142.4 us / 144.8 -> 140.2 us.
+accumulator's layout (two adjacent values of a row per thread) that took a visible share of the
+kernel (per-program %globaltimer marks). Each group now writes its half into a freed K buffer and
+sends it by TMA (4 boxes of 64 x 64), which is faster.
 
 Shared memory: Q 72 KiB + K0, K1 2 x 72 KiB + P0 8 KiB; P1 reuses Q's rope columns once both
 consumers hold them in registers. Registers: the loops index every buffer with an opaque 0
 (`j >> 30`); with constant indices the compiler hoists the ~80 loop-invariant shared-memory
-descriptors out of the loops and spills them (60+ local loads per step: 202 -> 157 us measured).
+descriptors out of the loops and spills them (60+ local loads per step, and a much slower kernel).
+All the figures: docs/benchmarks.md, "Figures formerly in code".
 """
 
 from __future__ import annotations
@@ -128,19 +125,18 @@ CHUNKS_LAYOUT = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, elemen
 # Lazy rescaling. A row's reference maximum moves only when a block's scores exceed it by more than
 # 2^8 (in the log2 domain of the scores), so P stays below 256 and, once a sequence's first blocks
 # have set it, rescaling is rare. A warp skips multiplying its rows of the accumulator when none of
-# them moved. Two runs side by side (deploy/benchmarks.md): 2.3-2.7 us less at 64-token pages
-# (~125.8 -> 123.1), 3.0-3.2 at 16; where the scores keep growing along the sequence (their maxima
-# keep moving) 0.5-3.6 us more. Accuracy: the largest P of a row is no
-# longer exactly 1 in bf16, about one more bf16 unit of the output at most.
+# them moved. Side by side it is faster at both page sizes, and a little slower only where the scores
+# keep growing along the sequence (their maxima keep moving; docs/benchmarks.md, "Figures formerly in
+# code"). Accuracy: the largest P of a row is no longer exactly 1 in bf16, about one more bf16 unit of
+# the output at most.
 LAZY_RESCALE_LOG2 = gl.constexpr(8.0)
 ACC_PER_THREAD = gl.constexpr(128)  # a group's [64, 256] fp32 accumulator over its 128 threads
 
 
 def _rescale_asm(n: int) -> tuple[str, str]:
     """PTX for one thread's whole accumulator: one branch around its n multiplications. A branch per
-    16, 32 or 64 of them measured slower (128.0 and 126.4 us against the eager kernel's 126.1 in one
-    run; 123.7 against 122.9 for one branch in another): each branch keeps the compiler from
-    interleaving other work across it."""
+    16, 32 or 64 of them measured slower (docs/benchmarks.md, "Figures formerly in code"): each branch
+    keeps the compiler from interleaving other work across it."""
     muls = " ".join(f"mul.f32 ${i}, ${i}, ${2 * n + i};" for i in range(n))
     asm = f"{{ .reg .pred skip; setp.eq.f32 skip, ${3 * n}, 0f00000000; @skip bra.uni DONE; {muls} DONE: }}"
     # outputs, the accumulator tied to them (updated in place), the factors, the warp's moved flags
@@ -392,7 +388,7 @@ def _load_half(kc_smem, kr_smem, bars, cache_ptr, cache_desc, chunk_desc, bt_row
     is the buffer's early half), once its last reader has freed it."""
     # Where the block lies in one page, its cache row is read before waiting for the half to be freed:
     # a late half's refill is on the next step's critical path, and a block-table read after the wait
-    # sat on it (0.7-1.1 us of ~126 at 64-token pages, deploy/benchmarks.md).
+    # sat on it (docs/benchmarks.md, "Figures formerly in code").
     row0 = 0
     if USE_TMA and PAGE >= kc_smem.shape[1]:
         row0 = gl.load(bt_row + r0 // PAGE, mask=r0 < end, other=0) * PAGE + r0 % PAGE
@@ -552,8 +548,8 @@ def supports(q_nope: torch.Tensor, q_pe: torch.Tensor, latent_cache: torch.Tenso
 
 @functools.cache
 def _box_layout(rows: int, fp16: bool):
-    """The shared-memory layout of a [rows, 64] box (built once: ~20 us of Python per call, paid per
-    layer and step in eager decode otherwise)."""
+    """The shared-memory layout of a [rows, 64] box, built once: building it is slow Python, which eager
+    decode would otherwise pay per layer and step."""
     return gl.NVMMASharedLayout.get_default_for([rows, 64], gl.float16 if fp16 else gl.bfloat16)
 
 

@@ -3,7 +3,7 @@ DeepSeek-V3's 128): tokens on the tensor core's M side.
 
 Same contract as `mla_decode.mla_decode_attention`. A warp-group MMA has at least 64 rows. With the
 heads as rows (`mla_decode_wgmma`) 16 heads leave three quarters of every instruction empty, and
-the padded kernel is bound by that wasted work (0.70 of the memory floor on an H200) although the
+the padded kernel is bound by that wasted work, well short of the memory floor, although the
 op itself is memory-bound. Here the tile is transposed: the 64 tokens of a latent tile are the
 rows and the heads the columns,
 
@@ -15,12 +15,13 @@ So every instruction carries real heads and the work per tile is a quarter of th
 kernel's. One warp group per program; latent tiles stream through two shared-memory stages by
 `cp.async`. Shared memory: 2 stages x 72 KiB + Q (≤ 36 KiB) + P^T.
 
-The op is bound by the card's read rate. On an H200 at batch 64 and 4k context (timed after a
-read flush, deploy/benchmarks.md) this kernel's loads alone take 72.6-75.1 us, 0.96-0.99 of the
-memory floor, and the kernel at 2 splits 75.0-79.6 us; the op adds the merge, 3.4-4.8 us. Under
-`do_bench`'s memset flush the loads took as long from 64 multiprocessors as from 128. A producer
-warp bringing the tiles by TMA was 1-2 us slower; merging the splits in the kernel (the last split
-merges, by a ticket) saved 0.6-1.3 us of the merge (both measured under that flush).
+The op is bound by the card's read rate: this kernel's loads alone run close to the memory floor,
+the kernel at 2 splits little above its loads, and the op adds the merge. Under `do_bench`'s memset
+flush the loads took as long from 64 multiprocessors as from 128. Two variants were slower or not worth keeping: a producer warp
+bringing the tiles by TMA (slower: with the stages full, the copies cannot start earlier whoever
+issues them), and merging the splits in the kernel (the last split merges, by a ticket), which saved
+little of the merge for a device-wide ticket array and a sum whose order varies from run to run
+(docs/benchmarks.md, "Figures formerly in code").
 """
 
 from __future__ import annotations

@@ -109,7 +109,7 @@ def _prefill_kernel(
 
 
 def default_config(head_dim: int, dtype: torch.dtype = torch.bfloat16) -> dict:
-    """Tiles measured on an H200 (deploy/benchmarks.md); fp32 (numerics tests) gets small ones."""
+    """Tiles measured on an H200 (docs/benchmarks.md, "Kernels"); fp32 (numerics tests) gets small ones."""
     if small_tiles():
         return {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 1, "num_stages": 1}
     if dtype == torch.float32:

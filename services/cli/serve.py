@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 
+from services.common.limits import RequestLimits
+
 
 def add_parser(sub) -> None:
     p = sub.add_parser("serve", help="serve a model: gateway (HTTP + gRPC), router and P/D workers on Ray")
@@ -25,9 +27,14 @@ def add_parser(sub) -> None:
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--dtype", default="auto")
     p.add_argument("--device", default="auto")
-    p.add_argument("--max-n", type=int, default=16, help="largest n a request may ask for")
+    p.add_argument("--max-n", type=int, default=RequestLimits.max_n, help="largest n a request may ask for")
     p.add_argument("--max-concurrent-requests", type=int, default=512, help="more in flight get HTTP 429")
-    p.add_argument("--request-timeout", type=float, default=600.0, help="end-to-end deadline per request (s)")
+    p.add_argument(
+        "--request-timeout",
+        type=float,
+        default=RequestLimits.request_timeout_s,
+        help="end-to-end deadline per request (s)",
+    )
     p.add_argument("--engine-threads", type=int, default=1, help="torch threads per engine on CPU")
     p.add_argument("--gpus-per-worker", type=float, default=None, help="default: 1 when CUDA is present, else 0")
     p.add_argument("--num-cpus", type=int, default=None, help="CPUs of the local Ray node")
@@ -36,14 +43,18 @@ def add_parser(sub) -> None:
 
 
 def config_from_args(args: argparse.Namespace):
-    from services.controller.head import HeadConfig
+    from services.controller.serve_config import HeadConfig
+    from services.workers.spec import EngineSettings
 
-    engine_args = {"model": args.model, "dtype": args.dtype, "device": args.device, "block_size": args.block_size}
-    engine_args["max_num_seqs"] = args.max_num_seqs
-    if args.max_model_len:
-        engine_args["max_model_len"] = args.max_model_len
-    if args.num_blocks:
-        engine_args["num_gpu_blocks"] = args.num_blocks
+    engine_args = EngineSettings(
+        model=args.model,
+        dtype=args.dtype,
+        device=args.device,
+        block_size=args.block_size,
+        max_num_seqs=args.max_num_seqs,
+        max_model_len=args.max_model_len or None,
+        num_gpu_blocks=args.num_blocks or None,
+    )
     gpus = args.gpus_per_worker
     if gpus is None:
         import torch
@@ -53,7 +64,6 @@ def config_from_args(args: argparse.Namespace):
         if getattr(args, name) < (0 if name == "prefill" and args.colocated else 1):
             raise ValueError(f"--{name} must be at least 1")
     return HeadConfig(
-        model=args.model,
         served_model_name=args.served_model_name,
         host=args.host,
         port=args.port,
@@ -63,9 +73,8 @@ def config_from_args(args: argparse.Namespace):
         colocated=args.colocated,
         engine_args=engine_args,
         api_key=args.api_key,
-        max_n=args.max_n,
+        limits=RequestLimits(max_n=args.max_n, request_timeout_s=args.request_timeout),
         max_concurrent_requests=args.max_concurrent_requests,
-        request_timeout_s=args.request_timeout,
         torch_threads=args.engine_threads,
         gpus_per_worker=gpus,
         num_cpus=args.num_cpus,

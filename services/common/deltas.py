@@ -62,8 +62,15 @@ class OutputDiffer:
     def __init__(self, index: int = 0, num_tokens: int = 0, text: str = ""):
         self.index = index
         self.num_tokens = num_tokens
-        """Tokens already sent (a CE starts after the PE's first token, but resends it: harmless)."""
+        """Tokens already sent."""
         self.text = text
+        """Text already sent."""
+
+    @classmethod
+    def after(cls, out: CompletionOutput) -> OutputDiffer:
+        """A differ that has already sent `out`: a CE's stream starts after the hand-off's first
+        token, which the PE's reply brought to the client."""
+        return cls(out.index, len(out.token_ids), out.text)
 
     def diff(self, out: CompletionOutput, num_cached_tokens: int = 0) -> Optional[SampleDelta]:
         """The delta since the last call; None when nothing changed."""

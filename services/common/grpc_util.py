@@ -10,7 +10,7 @@ from typing import Optional
 
 import grpc
 
-from services.common.errors import ErrorCode, ServiceError, code_from_grpc_name
+from services.common.errors import ErrorCode, ServiceError, code_from_grpc
 
 logger = logging.getLogger(__name__)
 
@@ -41,17 +41,13 @@ def new_event_loop() -> asyncio.AbstractEventLoop:
         return asyncio.new_event_loop()
 
 
-def status_of(e: ServiceError) -> grpc.StatusCode:
-    return grpc.StatusCode[e.code.value]
-
-
 def error_from_rpc(e: grpc.aio.AioRpcError, what: str) -> ServiceError:
     """A failed call to another service, as a ServiceError naming `what` was called."""
     code = e.code()
     detail = e.details() or code.name
     if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN):
         return ServiceError(ErrorCode.UNAVAILABLE, f"{what} is unreachable: {detail}")
-    return ServiceError(code_from_grpc_name(code.name), f"{what}: {detail}")
+    return ServiceError(code_from_grpc(code), f"{what}: {detail}")
 
 
 def handles_errors(method):
@@ -64,7 +60,7 @@ def handles_errors(method):
                 async for item in method(self, request, context):
                     yield item
             except ServiceError as e:
-                await context.abort(status_of(e), e.message)
+                await context.abort(e.code.grpc_status, e.message)
 
         return stream
 
@@ -73,7 +69,7 @@ def handles_errors(method):
         try:
             return await method(self, request, context)
         except ServiceError as e:
-            await context.abort(status_of(e), e.message)
+            await context.abort(e.code.grpc_status, e.message)
 
     return unary
 

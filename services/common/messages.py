@@ -1,13 +1,15 @@
-"""Proto forms of the typed messages in `deltas.py` and `workers.py` (and of a CE's `KVRegion`)."""
+"""Proto forms of the typed messages in `deltas.py`, `workers.py` and `prefill_result.py`, and of
+the KV transfer's `KVRegion` and `KVTarget`."""
 
 from __future__ import annotations
 
 from dataclasses import asdict, fields
 from typing import Optional
 
-from deepinfer_core.transfer.messages import KVRegion
-from proto import common_pb2
+from deepinfer_core.transfer.messages import KVRegion, KVTarget
+from proto import common_pb2, worker_pb2
 from services.common.deltas import SampleDelta, TokenLogprob
+from services.common.prefill_result import PrefillResult
 from services.common.workers import WorkerInfo, WorkerLoad
 
 
@@ -57,6 +59,31 @@ def region_from_proto(parent, name: str) -> Optional[KVRegion]:
         return None
     msg = getattr(parent, name)
     return KVRegion(**{f.name: getattr(msg, f.name) for f in fields(KVRegion)})
+
+
+def target_to_proto(target: KVTarget) -> common_pb2.KVTarget:
+    return common_pb2.KVTarget(**asdict(target))
+
+
+def target_from_proto(msg: common_pb2.KVTarget) -> KVTarget:
+    values = {f.name: getattr(msg, f.name) for f in fields(KVTarget)}
+    return KVTarget(**{**values, "block_ids": list(msg.block_ids)})
+
+
+def prefill_result_to_proto(r: PrefillResult) -> worker_pb2.PrefillReply:
+    return worker_pb2.PrefillReply(
+        first=delta_to_proto(r.first),
+        kv_bytes=r.kv_bytes,
+        kv_seconds=r.kv_seconds,
+        queue_seconds=r.queue_seconds,
+        kv_exposed_seconds=r.kv_exposed_seconds,
+    )
+
+
+def prefill_result_from_proto(msg: worker_pb2.PrefillReply) -> PrefillResult:
+    return PrefillResult(
+        delta_from_proto(msg.first), msg.kv_bytes, msg.kv_seconds, msg.queue_seconds, msg.kv_exposed_seconds
+    )
 
 
 def info_to_proto(info: WorkerInfo) -> common_pb2.WorkerInfo:

@@ -12,13 +12,13 @@ import asyncio
 import itertools
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Optional
 
 from services.common.errors import ErrorCode, ServiceError
 from services.common.workers import POOL_NAMES
 from services.router.core import RouterCore
-from services.workers.worker_server import WorkerSpec
+from services.workers.spec import EngineSettings, WorkerSpec
 
 logger = logging.getLogger(__name__)
 
@@ -27,7 +27,7 @@ logger = logging.getLogger(__name__)
 class PoolSpec:
     """How to build the workers of the cluster."""
 
-    engine_args: dict[str, Any] = field(default_factory=dict)
+    engine_args: EngineSettings = EngineSettings()
     model_name: str = ""
     host: str = "127.0.0.1"
     torch_threads: int = 1
@@ -74,22 +74,23 @@ class ClusterController:
     async def _start(self, pool: int) -> str:
         import ray
 
-        from services.workers.actor import WorkerActor
+        from services.workers.worker_server import WorkerActor
 
         worker_id = f"{POOL_NAMES[pool]}-{next(self._ids)}"
         spec = WorkerSpec(
             worker_id=worker_id,
             pool=pool,
-            engine_args=dict(self.spec.engine_args),
+            engine_args=self.spec.engine_args,
             model_name=self.spec.model_name,
             host=self.spec.host,
             router_address=self.router_address,
             torch_threads=self.spec.torch_threads,
+            log_level=self.spec.log_level,
         )
         actor_cls = ray.remote(WorkerActor).options(
             name=worker_id, num_cpus=0, num_gpus=self.spec.gpus_per_worker, max_concurrency=4
         )
-        handle = actor_cls.remote(spec, self.spec.log_level)
+        handle = actor_cls.remote(spec)
         self.actors[worker_id] = _Actor(pool, handle)
         try:
             await handle.start.remote()

@@ -12,9 +12,10 @@ from typing import Any, Optional
 from deepinfer_core.sampling_params import SamplingParams
 from services.common.deltas import SampleDelta
 from services.common.errors import ErrorCode, ServiceError
+from services.common.limits import RequestLimits
+from services.common.stream_merge import merge
 from services.gateway import validation
 from services.metrics import definitions as m
-from services.router.fanout import merge
 
 
 @dataclass(frozen=True)
@@ -24,12 +25,12 @@ class GatewayConfig:
     max_model_len: int
     api_key: Optional[str] = None
     """When set, /v1/* and gRPC Generate need `Authorization: Bearer <key>`."""
-    max_n: int = 16
+    limits: RequestLimits = RequestLimits()
+    """`max_n` and the end-to-end deadline (the router's too)."""
     max_concurrent_requests: int = 512
     """More requests in flight than this get 429."""
     max_request_bytes: int = 8 * 1024 * 1024
     """Larger HTTP bodies get 413."""
-    request_timeout_s: float = 600.0
 
 
 @dataclass
@@ -90,7 +91,7 @@ class GatewayCore:
 
     # ---- requests ----------------------------------------------------------------------------
     def prepare(self, prompts: list[list[int]], fields: dict[str, Any], param: str = "prompt") -> SamplingParams:
-        params = validation.build_params(fields, self.config.max_n)
+        params = validation.build_params(fields, self.config.limits.max_n)
         for ids in prompts:
             validation.check_length(ids, params, self.config.max_model_len, param)
         return params
@@ -106,7 +107,8 @@ class GatewayCore:
         for p, ids in enumerate(prompts):
             for i in range(params.n):
                 choices[(p, i)] = Choice(p * params.n + i, len(ids), i)
-            streams.append(self.router.generate(f"{request_id}-{p}", ids, params, self.config.request_timeout_s))
+            timeout_s = self.config.limits.request_timeout_s
+            streams.append(self.router.generate(f"{request_id}-{p}", ids, params, timeout_s))
         first_at = last_at = None
         merged = merge(streams)
         try:

@@ -12,7 +12,8 @@ from services.gateway import validation
 from services.gateway.core import GatewayCore, usage
 
 
-def _authorization(context) -> str:
+def authorization(context) -> str:
+    """The request's `authorization` metadata ("" without one)."""
     for key, value in context.invocation_metadata() or ():
         if key == "authorization":
             return value
@@ -26,7 +27,7 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
     @handles_errors
     async def Generate(self, request, context):
         core = self.core
-        core.check_api_key(_authorization(context))
+        core.check_api_key(authorization(context))
         validation.check_model(request.model, core.config.model_name)
         prompt, param = self._prompt(request)
         fields = {
@@ -72,6 +73,6 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
 
     @handles_errors
     async def Models(self, request, context):
-        self.core.check_api_key(_authorization(context))
+        self.core.check_api_key(authorization(context))
         info = gateway_pb2.ModelInfo(id=self.core.config.model_name, max_model_len=self.core.config.max_model_len)
         return gateway_pb2.ModelsReply(models=[info])

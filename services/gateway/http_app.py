@@ -36,7 +36,21 @@ def build_app(core: GatewayCore, on_metrics=None) -> FastAPI:
     """`on_metrics`: an async callable run before each /metrics scrape (refreshes worker load)."""
     app = FastAPI(title="DeepInfer Cluster", docs_url=None, redoc_url=None)
     app.state.core = core
+    _add_error_handlers(app)
+    _add_info_routes(app, core, on_metrics)
 
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await _completions(request, core)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await _chat_completions(request, core)
+
+    return app
+
+
+def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ServiceError)
     async def _service_error(request: Request, e: ServiceError):
         return JSONResponse(service_error_body(e), status_code=e.http_status)
@@ -50,6 +64,8 @@ def build_app(core: GatewayCore, on_metrics=None) -> FastAPI:
     async def _http_error(request: Request, e: StarletteHTTPException):
         return JSONResponse(error_body(e.status_code, str(e.detail)), status_code=e.status_code)
 
+
+def _add_info_routes(app: FastAPI, core: GatewayCore, on_metrics) -> None:
     @app.get("/health")
     async def health():
         ready, detail = await core.ready()
@@ -66,50 +82,44 @@ def build_app(core: GatewayCore, on_metrics=None) -> FastAPI:
     @app.get("/v1/models")
     async def models(request: Request):
         core.check_api_key(request.headers.get("authorization"))
-        return {
-            "object": "list",
-            "data": [
-                {
-                    "id": core.config.model_name,
-                    "object": "model",
-                    "created": 0,
-                    "owned_by": "deepinfer",
-                    "max_model_len": core.config.max_model_len,
-                }
-            ],
+        model = {
+            "id": core.config.model_name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "deepinfer",
+            "max_model_len": core.config.max_model_len,
         }
+        return {"object": "list", "data": [model]}
 
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        body = await _parse(request, core, CompletionRequest)
-        for name, unsupported in (("echo", body.echo), ("suffix", body.suffix), ("logit_bias", body.logit_bias)):
-            if unsupported:
-                raise validation.bad(f"{name} is not supported", name)
-        if body.best_of is not None and body.best_of != body.n:
-            raise validation.bad("best_of must equal n (or be left out)", "best_of")
-        prompts = validation.encode_prompts(body.prompt, core.tokenizer, core.vocab_size)
-        params = core.prepare(prompts, _sampling_fields(body, logprobs=body.logprobs))
-        fmt = Formatter(core.tokenizer, f"cmpl-{uuid.uuid4().hex}", core.config.model_name, body.logprobs)
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return await _respond(request, core, prompts, params, fmt, body.stream, include_usage, chat=False)
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request):
-        body = await _parse(request, core, ChatCompletionRequest)
-        if body.logit_bias:
-            raise validation.bad("logit_bias is not supported", "logit_bias")
-        if body.top_logprobs is not None and not body.logprobs:
-            raise validation.bad("top_logprobs needs logprobs=true", "top_logprobs")
-        messages = [m.model_dump(exclude_none=True) for m in body.messages]
-        prompt = validation.encode_chat(messages, core.tokenizer, body.add_generation_prompt)
-        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        top = (body.top_logprobs or 0) if body.logprobs else None
-        params = core.prepare([prompt], _sampling_fields(body, logprobs=top, max_tokens=max_tokens), "messages")
-        fmt = Formatter(core.tokenizer, f"chatcmpl-{uuid.uuid4().hex}", core.config.model_name, top)
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return await _respond(request, core, [prompt], params, fmt, body.stream, include_usage, chat=True)
+async def _completions(request: Request, core: GatewayCore):
+    body = await _parse(request, core, CompletionRequest)
+    for name, unsupported in (("echo", body.echo), ("suffix", body.suffix), ("logit_bias", body.logit_bias)):
+        if unsupported:
+            raise validation.bad(f"{name} is not supported", name)
+    if body.best_of is not None and body.best_of != body.n:
+        raise validation.bad("best_of must equal n (or be left out)", "best_of")
+    prompts = validation.encode_prompts(body.prompt, core.tokenizer, core.vocab_size)
+    params = core.prepare(prompts, _sampling_fields(body, logprobs=body.logprobs))
+    fmt = Formatter(core.tokenizer, f"cmpl-{uuid.uuid4().hex}", core.config.model_name, body.logprobs)
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    return await _respond(request, core, prompts, params, fmt, body.stream, include_usage, chat=False)
 
-    return app
+
+async def _chat_completions(request: Request, core: GatewayCore):
+    body = await _parse(request, core, ChatCompletionRequest)
+    if body.logit_bias:
+        raise validation.bad("logit_bias is not supported", "logit_bias")
+    if body.top_logprobs is not None and not body.logprobs:
+        raise validation.bad("top_logprobs needs logprobs=true", "top_logprobs")
+    messages = [m.model_dump(exclude_none=True) for m in body.messages]
+    prompt = validation.encode_chat(messages, core.tokenizer, body.add_generation_prompt)
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    top = (body.top_logprobs or 0) if body.logprobs else None
+    params = core.prepare([prompt], _sampling_fields(body, logprobs=top, max_tokens=max_tokens), "messages")
+    fmt = Formatter(core.tokenizer, f"chatcmpl-{uuid.uuid4().hex}", core.config.model_name, top)
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    return await _respond(request, core, [prompt], params, fmt, body.stream, include_usage, chat=True)
 
 
 async def _parse(request: Request, core: GatewayCore, model: type[BaseModel]) -> Any:

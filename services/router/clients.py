@@ -12,26 +12,35 @@ from typing import Optional, Protocol
 import grpc
 
 from deepinfer_core.sampling_params import SamplingParams
-from deepinfer_core.transfer.messages import KVRegion
+from deepinfer_core.transfer.messages import KVRegion, KVTarget
 from proto import common_pb2, worker_pb2, worker_pb2_grpc
 from services.common.deltas import SampleDelta
 from services.common.grpc_util import channel, error_from_rpc
-from services.common.messages import delta_from_proto, load_from_proto, region_to_proto
+from services.common.messages import (
+    delta_from_proto,
+    load_from_proto,
+    prefill_result_from_proto,
+    region_to_proto,
+    target_from_proto,
+    target_to_proto,
+)
 from services.common.params import params_to_proto
+from services.common.prefill_result import PrefillResult
 from services.common.workers import WorkerInfo, WorkerLoad
-from services.workers.prefill_core import PrefillResult
 
 
 class WorkerClient(Protocol):
     async def reserve(
         self, request_id: str, prompt: list[int], params: SamplingParams, lease_s: float, timeout: float
-    ) -> bytes: ...
+    ) -> KVTarget: ...
 
     async def prefill(
-        self, request_id: str, prompt: list[int], params: SamplingParams, kv_target: bytes, timeout: float
+        self, request_id: str, prompt: list[int], params: SamplingParams, kv_target: KVTarget, timeout: float
     ) -> PrefillResult: ...
 
-    def stream(self, request_id: str, timeout: float) -> AsyncIterator[SampleDelta]: ...
+    def stream(self, request_id: str, timeout: float) -> AsyncIterator[SampleDelta]:
+        """A CE's deltas after the first token (which `prefill` returned)."""
+        ...
 
     def generate(
         self, request_id: str, prompt: list[int], params: SamplingParams, timeout: float
@@ -56,24 +65,28 @@ class GrpcWorkerClient:
         self._decode = worker_pb2_grpc.DecodeStub(self._channel)
         self._worker = worker_pb2_grpc.WorkerStub(self._channel)
 
-    async def reserve(self, request_id, prompt, params, lease_s, timeout) -> bytes:
+    async def reserve(self, request_id, prompt, params, lease_s, timeout) -> KVTarget:
         req = worker_pb2.ReserveRequest(
             request_id=request_id, prompt_token_ids=prompt, params=params_to_proto(params), lease_s=lease_s
         )
         try:
-            return (await self._decode.Reserve(req, timeout=timeout)).kv_target
+            reply = await self._decode.Reserve(req, timeout=timeout)
         except grpc.aio.AioRpcError as e:
             raise error_from_rpc(e, self.name) from None
+        return target_from_proto(reply.kv_target)
 
     async def prefill(self, request_id, prompt, params, kv_target, timeout) -> PrefillResult:
         req = worker_pb2.PrefillRequest(
-            request_id=request_id, prompt_token_ids=prompt, params=params_to_proto(params), kv_target=kv_target
+            request_id=request_id,
+            prompt_token_ids=prompt,
+            params=params_to_proto(params),
+            kv_target=target_to_proto(kv_target),
         )
         try:
-            r = await self._prefill.Prefill(req, timeout=timeout)
+            reply = await self._prefill.Prefill(req, timeout=timeout)
         except grpc.aio.AioRpcError as e:
             raise error_from_rpc(e, self.name) from None
-        return PrefillResult(delta_from_proto(r.first), r.kv_bytes, r.kv_seconds, r.queue_seconds, r.kv_exposed_seconds)
+        return prefill_result_from_proto(reply)
 
     async def stream(self, request_id, timeout) -> AsyncIterator[SampleDelta]:
         call = self._decode.Stream(worker_pb2.StreamRequest(request_id=request_id), timeout=timeout)
@@ -133,7 +146,7 @@ class LocalWorkerClient:
         self.core = core
         self.name = name or f"worker {core.worker_id}"
 
-    async def reserve(self, request_id, prompt, params, lease_s, timeout) -> bytes:
+    async def reserve(self, request_id, prompt, params, lease_s, timeout) -> KVTarget:
         return await self.core.reserve(request_id, prompt, params, lease_s)
 
     async def prefill(self, request_id, prompt, params, kv_target, timeout) -> PrefillResult:

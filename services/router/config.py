@@ -4,25 +4,24 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from deepinfer_core.config import PDConfig
+from services.common.limits import RequestLimits
 from services.router.prefill_policy import DEFAULT_BUCKETS
 
 
 @dataclass(frozen=True)
 class RouterConfig:
-    request_timeout_s: float = 600.0
-    """End-to-end deadline of a request (a client may ask for less)."""
+    limits: RequestLimits = RequestLimits()
+    """`max_n` and the end-to-end deadline (the gateway's too)."""
+    pd: PDConfig = PDConfig()
+    """The hand-off's clocks, the engines' own: the CE lease asked for on Reserve and the deadline
+    of one PE Prefill call (queueing + prefill + KV transfer), which `PDConfig` keeps within the lease."""
     admission_timeout_s: float = 60.0
     """How long a request may wait for a worker with room before RESOURCE_EXHAUSTED."""
     reserve_timeout_s: float = 10.0
     """Deadline of one CE Reserve call."""
-    prefill_timeout_s: float = 120.0
-    """Deadline of one PE Prefill call (queueing + prefill + KV transfer)."""
-    lease_s: float = 130.0
-    """CE reservation lease: longer than a prefill may take, so a slow PE does not lose it."""
     max_prefill_attempts: int = 3
     """Prefills tried (on different PEs) before a request fails; only before any token was sent."""
-    max_n: int = 16
-    """Largest `n` a request may ask for."""
     poll_interval_s: float = 0.5
     """How often the router polls each worker's Stats (health and load)."""
     prefill_buckets: tuple[int, ...] = DEFAULT_BUCKETS

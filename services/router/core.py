@@ -14,10 +14,11 @@ from typing import Optional
 from deepinfer_core.sampling_params import SamplingParams
 from services.common.deltas import SampleAssembler, SampleDelta
 from services.common.errors import ErrorCode, ServiceError
+from services.common.stream_merge import merge
 from services.common.workers import POOL_COLOCATED, POOL_DECODE, POOL_NAMES, POOL_PREFILL
 from services.router.config import RouterConfig
 from services.router.decode_policy import DecodeCandidate, DecodePolicy
-from services.router.fanout import merge, split_samples
+from services.router.fanout import split_samples
 from services.router.prefill_policy import PrefillCandidate, PrefillPolicy
 from services.router.registry import PoolRegistry, WorkerHandle
 from services.router.request_flow import SampleFlow
@@ -53,7 +54,8 @@ class RouterCore:
         """Deltas of every sample as the client may see them (stop strings held back until
         settled). Raises ServiceError; leaving early aborts the request everywhere."""
         self._validate(prompt, params)
-        deadline = time.monotonic() + min(timeout_s or self.config.request_timeout_s, self.config.request_timeout_s)
+        limit = self.config.limits.request_timeout_s
+        deadline = time.monotonic() + min(timeout_s or limit, limit)
         holdback = max((len(s) for s in params.stop), default=1) - 1
         samples = split_samples(params)
         assemblers = [SampleAssembler(i, holdback) for i in range(len(samples))]
@@ -75,8 +77,9 @@ class RouterCore:
     def _validate(self, prompt: list[int], params: SamplingParams) -> None:
         if not prompt:
             raise ServiceError(ErrorCode.INVALID_ARGUMENT, "the prompt is empty", "prompt")
-        if params.n > self.config.max_n:
-            raise ServiceError(ErrorCode.INVALID_ARGUMENT, f"n must be <= {self.config.max_n}, got {params.n}", "n")
+        max_n = self.config.limits.max_n
+        if params.n > max_n:
+            raise ServiceError(ErrorCode.INVALID_ARGUMENT, f"n must be <= {max_n}, got {params.n}", "n")
         limit = self.max_model_len
         if limit and len(prompt) >= limit:
             raise ServiceError(

@@ -1,10 +1,12 @@
 """One sample of one request through the stages: the router's state machine.
 
 Disaggregated: reserve on a CE (lease) -> prefill on a PE into that reservation (the first
-token comes back here and goes straight to the client) -> stream the rest from the CE.
-A prefill that fails before any token was sent is retried on another PE with a fresh
-reservation. Colocated: one NORMAL engine streams everything. Every hop has a deadline;
-leaving early (client gone, error) aborts the sub-request on the stage that holds it.
+token comes back here and goes straight to the client) -> stream the rest from the CE, which
+starts after that token. A prefill that fails before any token was sent, in a way that may
+succeed elsewhere, is retried on another PE with a fresh reservation; a request the engine
+refuses as the client's fault (INVALID_ARGUMENT) never is. Colocated: one NORMAL engine
+streams everything. Every hop has a deadline; leaving early (client gone, error) aborts the
+sub-request on the stage that holds it.
 """
 
 from __future__ import annotations
@@ -15,13 +17,25 @@ from collections.abc import AsyncIterator, Callable
 from typing import Optional
 
 from deepinfer_core.sampling_params import SamplingParams
+from deepinfer_core.transfer.messages import KVTarget
 from services.common.deltas import SampleDelta
 from services.common.errors import ErrorCode, ServiceError
+from services.common.prefill_result import PrefillResult
 from services.common.workers import POOL_COLOCATED, POOL_DECODE, POOL_NAMES, POOL_PREFILL
 from services.metrics import definitions as m
 from services.router.registry import WorkerHandle
 
-_NOT_RETRIED = (ErrorCode.INVALID_ARGUMENT, ErrorCode.CANCELLED, ErrorCode.DEADLINE_EXCEEDED)
+_RETRIED_PREFILL = frozenset(
+    {
+        ErrorCode.UNAVAILABLE,  # the PE is gone or draining
+        ErrorCode.RESOURCE_EXHAUSTED,  # the PE has no room now
+        ErrorCode.FAILED_PRECONDITION,  # the PE refused the CE's target: a fresh reservation may do
+        ErrorCode.INTERNAL,  # the KV transfer failed
+    }
+)
+"""Prefill failures that may succeed on another PE (or CE); any other code ends the request."""
+_BLAMES_THE_CE = (ErrorCode.INTERNAL, ErrorCode.FAILED_PRECONDITION)
+"""The PE answered but the hand-off failed (transfer error, stale lease): the CE is suspect."""
 
 
 class SampleFlow:
@@ -97,7 +111,7 @@ class SampleFlow:
             f"{last_error.message if last_error else '?'}",
         )
 
-    async def _reserve(self, sub_id: str, avoid: set[str]) -> tuple[WorkerHandle, bytes]:
+    async def _reserve(self, sub_id: str, avoid: set[str]) -> tuple[WorkerHandle, KVTarget]:
         """A reservation on a CE with room; CEs in `avoid` (suspected by a failed hand-off) only
         when no other CE is ready."""
         refused: set[str] = set()
@@ -111,7 +125,7 @@ class SampleFlow:
             self._hold(ce, self.kv_tokens, None)
             timeout = min(self.config.reserve_timeout_s, self.remaining())
             try:
-                target = await ce.client.reserve(sub_id, self.prompt, self.params, self.config.lease_s, timeout)
+                target = await ce.client.reserve(sub_id, self.prompt, self.params, self.config.pd.lease_s, timeout)
             except ServiceError as e:
                 self._release(ce, self.kv_tokens)
                 if e.code not in (ErrorCode.RESOURCE_EXHAUSTED, ErrorCode.UNAVAILABLE, ErrorCode.DEADLINE_EXCEEDED):
@@ -122,20 +136,19 @@ class SampleFlow:
             self._ce_id = ce.worker_id
             return ce, target
 
-    async def _prefill(self, sub_id: str, kv_target: bytes, tried: set[str]):
+    async def _prefill(self, sub_id: str, kv_target: KVTarget, tried: set[str]) -> PrefillResult:
         pe = await self._wait_for(
             POOL_PREFILL, lambda ex: self.router.pick_prefill(len(self.prompt), ex), tried, strict=True
         )
         self._hold(pe, len(self.prompt), "prefill")
-        timeout = min(self.config.prefill_timeout_s, self.remaining())
+        timeout = min(self.config.pd.prefill_timeout_s, self.remaining())
         try:
             result = await pe.client.prefill(sub_id, self.prompt, self.params, kv_target, timeout)
         except ServiceError as e:
             self.router.abort_later(pe, sub_id, prefill=True)
-            if e.code in _NOT_RETRIED:
+            if e.code not in _RETRIED_PREFILL:
                 raise
-            # the PE answered but the hand-off failed (transfer error, stale lease): the CE is suspect
-            decode_side = self._ce_id if e.code in (ErrorCode.INTERNAL, ErrorCode.FAILED_PRECONDITION) else ""
+            decode_side = self._ce_id if e.code in _BLAMES_THE_CE else ""
             raise _RetryPrefill(e, pe.worker_id, decode_side) from None
         except asyncio.CancelledError:
             self.router.abort_later(pe, sub_id, prefill=True)

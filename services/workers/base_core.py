@@ -1,7 +1,9 @@
 """What every worker core shares: the engine host, draining, load, health, abort.
 
 A core is the plain-Python side of a worker: tests drive it without gRPC or Ray. Its
-methods run on the asyncio loop; the engine runs on the host's thread.
+methods run on the asyncio loop; the engine runs on the host's thread. Two cores exist:
+`DecodeCore` (a CE, or a NORMAL engine) and `PrefillCore` (a PE); `roles.py` says which
+pool gets which.
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ class WorkerCore:
         return found
 
     def _forget(self, request_id: str) -> bool:
-        """Drop the core's own record of a request; subclasses override."""
+        """Drop the core's own record of a request; False when it had none."""
         return False
 
     def _on_turn(self, outputs: list, handoff_results: list) -> None:

@@ -12,25 +12,15 @@ import time
 from dataclasses import dataclass
 from typing import Optional
 
+from deepinfer_core.errors import EngineError
 from deepinfer_core.outputs import RequestOutput
 from deepinfer_core.sampling_params import SamplingParams
 from deepinfer_core.transfer.messages import KVRegion, KVTarget
-from services.common.deltas import OutputDiffer, SampleDelta
-from services.common.errors import ErrorCode, ServiceError
+from services.common.deltas import OutputDiffer
+from services.common.errors import ErrorCode, ServiceError, engine_error, refused_output_error
+from services.common.prefill_result import PrefillResult
 from services.common.workers import WorkerLoad
 from services.workers.base_core import WorkerCore
-
-
-@dataclass
-class PrefillResult:
-    first: SampleDelta
-    """The first token, its text and logprobs (never finished: the CE decides that)."""
-    kv_bytes: int = 0
-    kv_seconds: float = 0.0
-    """First post (an early chunk's, when streamed) to completion of the last KV write."""
-    queue_seconds: float = 0.0
-    kv_exposed_seconds: float = 0.0
-    """End of the prefill forward to completion of every write: what the hand-off adds to TTFT."""
 
 
 @dataclass
@@ -50,16 +40,16 @@ class PrefillCore(WorkerCore):
         self.kv_bytes = 0
 
     async def prefill(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, kv_target: bytes
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, kv_target: KVTarget
     ) -> PrefillResult:
         self.check_accepting()
         pending = _Pending(self.loop.create_future(), time.monotonic())
         self.pending[request_id] = pending
         try:
-            await self.host.run(_admit, request_id, kv_target, params, prompt_token_ids)
-        except ValueError as e:  # refused target: layout mismatch, expired lease, wrong size
+            await self.host.run(_admit, request_id, kv_target, first_token_params(params), prompt_token_ids)
+        except EngineError as e:
             self.pending.pop(request_id, None)
-            raise ServiceError(ErrorCode.FAILED_PRECONDITION, str(e)) from None
+            raise engine_error(e) from None
         try:
             return await pending.future
         except asyncio.CancelledError:
@@ -71,8 +61,8 @@ class PrefillCore(WorkerCore):
         """Connect to a CE and, given its KV `region`, prepare its transfer descriptors now."""
         try:
             await self.host.run(lambda engine: engine.connect_peer(agent_name, metadata, region))
-        except ValueError as e:  # a CE whose KV layout differs from ours
-            raise ServiceError(ErrorCode.FAILED_PRECONDITION, str(e)) from None
+        except EngineError as e:  # a CE whose KV layout differs from ours
+            raise engine_error(e) from None
 
     def _forget(self, request_id: str) -> bool:
         pending = self.pending.pop(request_id, None)
@@ -82,31 +72,37 @@ class PrefillCore(WorkerCore):
 
     def _on_turn(self, outputs: list, handoff_results: list) -> None:
         for out in outputs:
-            pending = self.pending.get(out.request_id)
-            if pending is None:
-                continue
-            if pending.queue_seconds is None:
-                pending.queue_seconds = max(0.0, self.host.step_started_at - pending.admitted_at)
-            pending.last = out
-            sample = out.outputs[0]
-            if sample.finish_reason in ("error", "abort", "preempted") and not sample.token_ids:
-                self._resolve(out.request_id, ServiceError(ErrorCode.INVALID_ARGUMENT, sample.error or "refused"))
+            self._on_output(out)
         for r in handoff_results:
-            pending = self.pending.get(r.request_id)
-            if r.ok:
-                self.num_handoffs += 1
-                self.kv_bytes += r.num_bytes
-            else:
-                self.num_failed_handoffs += 1
-            if pending is None:
-                continue
-            if not r.ok or pending.last is None:
-                self._resolve(r.request_id, ServiceError(ErrorCode.INTERNAL, f"KV hand-off failed: {r.error}"))
-                continue
-            first = OutputDiffer().diff(pending.last.outputs[0], pending.last.num_cached_tokens)
-            first.finish_reason = first.stop_reason = None
-            result = PrefillResult(first, r.num_bytes, r.seconds, pending.queue_seconds or 0.0, r.exposed_seconds)
-            self._resolve(r.request_id, result)
+            self._on_handoff(r)
+
+    def _on_output(self, out: RequestOutput) -> None:
+        pending = self.pending.get(out.request_id)
+        if pending is None:
+            return
+        if pending.queue_seconds is None:
+            pending.queue_seconds = max(0.0, self.host.step_started_at - pending.admitted_at)
+        pending.last = out
+        sample = out.outputs[0]
+        if sample.finish_reason in ("error", "abort", "preempted") and not sample.token_ids:
+            self._resolve(out.request_id, refused_output_error(sample.finish_reason, sample.error))
+
+    def _on_handoff(self, r) -> None:
+        pending = self.pending.get(r.request_id)
+        if r.ok:
+            self.num_handoffs += 1
+            self.kv_bytes += r.num_bytes
+        else:
+            self.num_failed_handoffs += 1
+        if pending is None:
+            return
+        if not r.ok or pending.last is None:
+            self._resolve(r.request_id, ServiceError(ErrorCode.INTERNAL, f"KV hand-off failed: {r.error}"))
+            return
+        first = OutputDiffer().diff(pending.last.outputs[0], pending.last.num_cached_tokens)
+        first.finish_reason = first.stop_reason = None
+        result = PrefillResult(first, r.num_bytes, r.seconds, pending.queue_seconds or 0.0, r.exposed_seconds)
+        self._resolve(r.request_id, result)
 
     def _resolve(self, request_id: str, value) -> None:
         pending = self.pending.pop(request_id, None)
@@ -123,5 +119,20 @@ class PrefillCore(WorkerCore):
         return load
 
 
+def first_token_params(params: SamplingParams) -> SamplingParams:
+    """The request's parameters as the PE applies them to its one token.
+
+    The CE's stream starts after the first token with the text the CE has for it, so the PE
+    must end that token's text where the CE does. A request with min_tokens > 1 ignores stop
+    strings at its first token on the CE; the PE, which generates one token, would apply them
+    (and cut the text short), so it gets none. Stop token ids need no care: below min_tokens
+    the sampler never draws them."""
+    if params.min_tokens <= 1 or not params.stop:
+        return params
+    first = params.clone()
+    first.stop = []
+    return first
+
+
 def _admit(engine, request_id, kv_target, params, prompt_token_ids):
-    engine.add_prefill(request_id, KVTarget.from_bytes(kv_target), params, prompt_token_ids)
+    engine.add_prefill(request_id, kv_target, params, prompt_token_ids)

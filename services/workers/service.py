@@ -1,13 +1,22 @@
-"""gRPC servicers of a worker: thin layers over its core (`*_core.py`)."""
+"""gRPC servicers of a worker: thin layers over its core (`decode_core.py`, `prefill_core.py`)."""
 
 from __future__ import annotations
 
 from proto import common_pb2, worker_pb2, worker_pb2_grpc
 from services.common.errors import ErrorCode, ServiceError
 from services.common.grpc_util import handles_errors
-from services.common.messages import delta_to_proto, load_to_proto, region_from_proto
+from services.common.messages import (
+    delta_to_proto,
+    load_to_proto,
+    prefill_result_to_proto,
+    region_from_proto,
+    target_from_proto,
+    target_to_proto,
+)
 from services.common.params import params_from_proto
 from services.workers.base_core import WorkerCore
+from services.workers.decode_core import DecodeCore
+from services.workers.prefill_core import PrefillCore
 
 
 def _params(request):
@@ -17,22 +26,22 @@ def _params(request):
         raise ServiceError(ErrorCode.INVALID_ARGUMENT, str(e)) from None
 
 
+def _target(request):
+    if not request.HasField("kv_target"):
+        raise ServiceError(ErrorCode.INVALID_ARGUMENT, "the request carries no kv_target", "kv_target")
+    return target_from_proto(request.kv_target)
+
+
 class PrefillService(worker_pb2_grpc.PrefillServicer):
-    def __init__(self, core):
+    def __init__(self, core: PrefillCore):
         self.core = core
 
     @handles_errors
     async def Prefill(self, request, context):
-        r = await self.core.prefill(
-            request.request_id, list(request.prompt_token_ids), _params(request), request.kv_target
+        result = await self.core.prefill(
+            request.request_id, list(request.prompt_token_ids), _params(request), _target(request)
         )
-        return worker_pb2.PrefillReply(
-            first=delta_to_proto(r.first),
-            kv_bytes=r.kv_bytes,
-            kv_seconds=r.kv_seconds,
-            queue_seconds=r.queue_seconds,
-            kv_exposed_seconds=r.kv_exposed_seconds,
-        )
+        return prefill_result_to_proto(result)
 
     @handles_errors
     async def Abort(self, request, context):
@@ -47,15 +56,14 @@ class PrefillService(worker_pb2_grpc.PrefillServicer):
 class DecodeService(worker_pb2_grpc.DecodeServicer):
     """CE (Reserve / Stream / Abort) or NORMAL engine (Generate / Abort)."""
 
-    def __init__(self, core):
+    def __init__(self, core: DecodeCore):
         self.core = core
 
     @handles_errors
     async def Reserve(self, request, context):
-        target = await self.core.reserve(
-            request.request_id, list(request.prompt_token_ids), _params(request), request.lease_s or 30.0
-        )
-        return worker_pb2.ReserveReply(kv_target=target)
+        lease_s = request.lease_s or None  # 0: the engine's own lease
+        target = await self.core.reserve(request.request_id, list(request.prompt_token_ids), _params(request), lease_s)
+        return worker_pb2.ReserveReply(kv_target=target_to_proto(target))
 
     @handles_errors
     async def Stream(self, request, context):
@@ -85,18 +93,3 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
 
     async def Drain(self, request, context):
         return worker_pb2.DrainReply(requests=self.core.drain())
-
-
-def add_services(server, core: WorkerCore) -> list[str]:
-    """Register the servicers this core answers; returns their full names (for reflection)."""
-    from services.workers.prefill_core import PrefillCore
-
-    names = ["deepinfer.v1.Worker"]
-    worker_pb2_grpc.add_WorkerServicer_to_server(WorkerService(core), server)
-    if isinstance(core, PrefillCore):
-        worker_pb2_grpc.add_PrefillServicer_to_server(PrefillService(core), server)
-        names.append("deepinfer.v1.Prefill")
-    else:
-        worker_pb2_grpc.add_DecodeServicer_to_server(DecodeService(core), server)
-        names.append("deepinfer.v1.Decode")
-    return names

@@ -1,76 +1,64 @@
 """One worker process: build the engine, serve it over gRPC, register with the router.
 
 An asyncio loop (uvloop) on a thread of its own runs the gRPC server and the core; the
-engine runs on the host's thread. The Ray actor (`actor.py`) wraps this; tests may use it
-directly.
+engine runs on the host's thread. In the cluster a `WorkerActor` (a Ray actor) holds the
+server; tests and benchmarks may run a `WorkerServer` directly.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import threading
-from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Optional
 
-from deepinfer_core.engine_type import EngineType
+from deepinfer_core.roles import engine_class
 from services.common.grpc_util import bind, channel, enable_reflection, new_event_loop, new_server
-from services.common.workers import POOL_COLOCATED, POOL_DECODE, POOL_NAMES, POOL_PREFILL, WorkerInfo, WorkerLoad
+from services.common.workers import POOL_NAMES, WorkerInfo, WorkerLoad
+from services.workers.roles import add_services, worker_role
+from services.workers.spec import WorkerSpec
 
 logger = logging.getLogger(__name__)
 
-ENGINE_TYPE_OF_POOL = {
-    POOL_PREFILL: EngineType.PROMPT,
-    POOL_DECODE: EngineType.COMPLETION,
-    POOL_COLOCATED: EngineType.NORMAL,
-}
-
-
-@dataclass
-class WorkerSpec:
-    worker_id: str
-    pool: int
-    """POOL_PREFILL, POOL_DECODE or POOL_COLOCATED."""
-    engine_args: dict[str, Any] = field(default_factory=dict)
-    """`EngineArgs` fields (model, device, max_model_len, block_size, num_gpu_blocks, ...)."""
-    model_name: str = ""
-    host: str = "127.0.0.1"
-    port: int = 0
-    """gRPC port; 0 = any free port."""
-    router_address: str = ""
-    """Register here once serving ("" = don't)."""
-    torch_threads: int = 0
-    """torch intra-op threads for the engine; 0 = torch's default."""
-    metrics: bool = True
-    """Serve /metrics on a free port."""
-
 
 def build_engine(spec: WorkerSpec):
-    from deepinfer_core.engine.llm_engine import LLMEngine
-    from deepinfer_core.engine_args import EngineArgs
-    from deepinfer_core.pd.completion_engine import CompletionEngine
-    from deepinfer_core.pd.prompt_engine import PromptEngine
-
-    engine_type = ENGINE_TYPE_OF_POOL[spec.pool]
-    args = dict(spec.engine_args)
-    if engine_type == EngineType.COMPLETION:
-        args["stop_preempted_request"] = True
-    cls = {EngineType.PROMPT: PromptEngine, EngineType.COMPLETION: CompletionEngine}.get(engine_type, LLMEngine)
-    return cls.from_engine_args(EngineArgs(engine_type=engine_type, **args))
+    """The engine of the spec's pool, built from its settings."""
+    engine_type = worker_role(spec.pool).engine_type
+    return engine_class(engine_type).from_engine_args(spec.engine_args.to_engine_args(engine_type))
 
 
-def core_class(pool: int):
-    from services.workers.colocated_core import ColocatedCore
-    from services.workers.decode_core import DecodeCore
-    from services.workers.prefill_core import PrefillCore
-
-    return {POOL_PREFILL: PrefillCore, POOL_DECODE: DecodeCore, POOL_COLOCATED: ColocatedCore}[pool]
+def worker_info(spec: WorkerSpec, engine, address: str) -> WorkerInfo:
+    """What the worker registers with. Reads the engine's load: call before its thread starts."""
+    agent, config = engine.agent, engine.config
+    return WorkerInfo(
+        worker_id=spec.worker_id,
+        pool=spec.pool,
+        engine_type=engine.engine_type.value,
+        address=address,
+        agent_name=agent.name if agent is not None else "",
+        agent_metadata=agent.metadata if agent is not None else b"",
+        model=spec.model_name,
+        max_model_len=config.scheduler.max_model_len,
+        block_size=config.cache.block_size,
+        num_blocks=engine.load().num_blocks,
+        max_num_seqs=config.scheduler.max_num_seqs,
+        pid=os.getpid(),
+        kv_region=agent.region if agent is not None else None,
+    )
 
 
 class WorkerServer:
-    def __init__(self, spec: WorkerSpec):
+    """`engine`: a pre-built engine (or anything with the engine's host surface: `name`,
+    `engine_type`, `config`, `agent`, `step`, `has_unfinished_requests`, `poll_handoffs`,
+    `pop_handoff_results`, `awaits_handoffs`, `load`, `abort_request` and the role's admission
+    call); None builds one from `spec.engine_args` in `start()`."""
+
+    def __init__(self, spec: WorkerSpec, engine=None):
         self.spec = spec
+        self.role = worker_role(spec.pool)
+        self.engine = engine
         self.info: Optional[WorkerInfo] = None
         self.core = None
         self._server = None
@@ -79,14 +67,20 @@ class WorkerServer:
         self._thread = threading.Thread(target=self.loop.run_forever, name=f"loop-{spec.worker_id}", daemon=True)
 
     def start(self, timeout_s: float = 600.0) -> WorkerInfo:
-        """Build the engine, start serving, register; returns once the router has the worker."""
+        """Build the engine (unless given), start serving, register; returns once the router has the worker."""
         if self.spec.torch_threads:
             import torch
 
             torch.set_num_threads(self.spec.torch_threads)
-        engine = build_engine(self.spec)
+        if self.engine is None:
+            self.engine = build_engine(self.spec)
+        if self.engine.engine_type != self.role.engine_type:
+            raise ValueError(
+                f"a {POOL_NAMES[self.spec.pool]} worker needs a {self.role.engine_type.name} engine, "
+                f"got {self.engine.engine_type.name}"
+            )
         self._thread.start()
-        self.info = self._run(self._serve(engine), timeout_s)
+        self.info = self._run(self._serve(self.engine), timeout_s)
         if self.spec.router_address:
             self._run(self._register(), 60.0)
         return self.info
@@ -95,33 +89,16 @@ class WorkerServer:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
 
     async def _serve(self, engine) -> WorkerInfo:
-        from services.workers.service import add_services
-
         spec = self.spec
-        self.core = core_class(spec.pool)(engine, spec.worker_id)
+        info = worker_info(spec, engine, "")  # before the engine thread starts
+        self.core = self.role.core(engine, spec.worker_id)
         self.core.start()
         self._server = new_server()
-        enable_reflection(self._server, add_services(self._server, self.core))
+        enable_reflection(self._server, add_services(self._server, self.role, self.core))
         port = bind(self._server, spec.host, spec.port)
         await self._server.start()
-        agent = engine.agent
-        config = engine.config
-        return WorkerInfo(
-            worker_id=spec.worker_id,
-            pool=spec.pool,
-            engine_type=engine.engine_type.value,
-            address=f"{spec.host}:{port}",
-            metrics_address=self._start_metrics() if spec.metrics else "",
-            agent_name=agent.name if agent is not None else "",
-            agent_metadata=agent.metadata if agent is not None else b"",
-            model=spec.model_name,
-            max_model_len=config.scheduler.max_model_len,
-            block_size=config.cache.block_size,
-            num_blocks=engine.scheduler.block_manager.num_blocks,
-            max_num_seqs=config.scheduler.max_num_seqs,
-            pid=os.getpid(),
-            kv_region=agent.region if agent is not None else None,
-        )
+        metrics_address = self._start_metrics() if spec.metrics else ""
+        return dataclasses.replace(info, address=f"{spec.host}:{port}", metrics_address=metrics_address)
 
     def _start_metrics(self) -> str:
         from prometheus_client import start_http_server
@@ -155,3 +132,27 @@ class WorkerServer:
         if self._metrics_server is not None:
             self._metrics_server.shutdown()
         self.loop.call_soon_threadsafe(self.loop.stop)
+
+
+class WorkerActor:
+    """The Ray actor of one worker (one engine process of the cluster): the controller creates
+    it with `ray.remote(WorkerActor).options(...)`; `start()` builds and serves the engine and
+    registers with the router."""
+
+    def __init__(self, spec: WorkerSpec):
+        logging.basicConfig(
+            level=spec.log_level, format=f"%(asctime)s %(levelname)s {spec.worker_id} %(name)s: %(message)s"
+        )
+        self.server = WorkerServer(spec)
+
+    def start(self) -> WorkerInfo:
+        return self.server.start()
+
+    def drain(self) -> int:
+        return self.server.drain()
+
+    def stats(self) -> WorkerLoad:
+        return self.server.stats()
+
+    def stop(self) -> None:
+        self.server.stop()

@@ -5,7 +5,7 @@ COMPLETION default) the same hooks run, but each call reads back the step the pr
 launched, after launching its own (deepinfer_core/engine/overlap.py)."""
 
 from deepinfer_core.engine.llm_engine import LLMEngine
-from deepinfer_core.engine_type import EngineType
+from deepinfer_core.roles import EngineType
 from tests.helpers.engines import copy_handoff, greedy, make_engine, prefill_on
 
 
@@ -47,9 +47,9 @@ class Recording(LLMEngine):
     pe_do_save_kvcache = _rec("pe_do_save_kvcache")
     send_processed_prompts = _rec("send_processed_prompts")
 
-    def post_process(self, out, result):
+    def post_process(self, out, result, *in_flight):
         self.calls.append("post_process")
-        return super().post_process(out, result)
+        return super().post_process(out, result, *in_flight)
 
 
 def _step(engine) -> list[str]:

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from deepinfer_core.engine.llm_engine import LLMEngine
-from deepinfer_core.engine_type import EngineType
+from deepinfer_core.roles import EngineType
 from deepinfer_core.scheduler.outputs import SchedulerOutputs
 from deepinfer_core.sequence import SequenceStatus
 from tests.helpers.engines import copy_handoff, greedy, make_engine, prefill_on, run_to_completion

@@ -1,4 +1,10 @@
-"""SPEC §1: every row of the role table, each checked on the real component it changes."""
+"""SPEC §1: every row of the role table, each checked on the real component it changes.
+
+Rows checked elsewhere: the scheduler branch, the empty prefill schedule, chunked prefill and
+`add_sequence`'s reservation in test_scheduler.py (the DP vote in test_dp_vote.py); `finalize_seq`
+in test_invariants.py (invariant 5) and test_hook_order.py, which also checks that only a PE's
+step hands prompts off (`send_processed_prompts`) and that a PE never overlaps its steps.
+"""
 
 import os
 
@@ -8,10 +14,12 @@ import torch
 from deepinfer_core import envs
 from deepinfer_core.engine.llm_engine import LLMEngine
 from deepinfer_core.engine_args import EngineArgs
-from deepinfer_core.engine_type import EngineType
-from deepinfer_core.role_profile import role_profile
+from deepinfer_core.pd.completion_engine import CompletionEngine
+from deepinfer_core.pd.prompt_engine import PromptEngine
+from deepinfer_core.roles import EngineType, engine_class, role_profile
 from deepinfer_core.worker.model_runner import ModelRunner
 from tests.helpers.engines import make_engine
+from tests.helpers.sched import complete_step, handed_off, make_scheduler, make_seq
 
 ROLES = list(EngineType)
 
@@ -101,15 +109,68 @@ def test_completion_without_stop_preempted_request_refuses_to_start():
         make_engine(EngineType.COMPLETION, stop_preempted_request=False)
 
 
-def test_profile_table_rows_that_later_subsystems_read():
-    # MoE workspace bound and EPLB counting are read by the MoE layer and the expert balancer.
-    assert role_profile(EngineType.COMPLETION).moe_token_bound == "decode"
-    assert role_profile(EngineType.PROMPT).moe_token_bound == "prefill"
-    assert role_profile(EngineType.NORMAL).moe_token_bound == "prefill"
-    assert not role_profile(EngineType.NORMAL).eplb_counts_prefill_steps
-    assert role_profile(EngineType.PROMPT).eplb_counts_prefill_steps
-    assert not role_profile(EngineType.PROMPT).speculative_slot_pool
-    assert role_profile(EngineType.COMPLETION).speculative_slot_pool
+@pytest.mark.parametrize("role", ROLES)
+def test_multimodal_processor_is_built_only_where_the_role_has_a_pool(clean_env, role):
+    engine = make_engine(role)  # the embedded model takes images
+    assert (engine.mm_processor is not None) == (role != EngineType.COMPLETION)
+
+
+def test_forward_token_bound_follows_the_role():  # SPEC's MoE / workspace token bound
+    for role in ROLES:
+        sched = (
+            EngineArgs(engine_type=role, max_model_len=128, max_num_seqs=4, stop_preempted_request=True)
+            .create_engine_config()
+            .scheduler
+        )
+        want = sched.max_num_decoding_tokens if role == EngineType.COMPLETION else sched.max_num_batched_tokens
+        assert sched.max_step_tokens == want
+
+
+@pytest.mark.parametrize("role", ROLES)
+def test_draft_tokens_are_fed_only_by_roles_that_decode(monkeypatch, role):  # the MTP / speculative slots
+    monkeypatch.setenv("DEEPINFER_USE_NEXTN_DECODE", "1")
+    envs.rearm("DEEPINFER_USE_NEXTN_DECODE")
+    try:
+        config = EngineArgs(engine_type=role, max_model_len=128, stop_preempted_request=True).create_engine_config()
+    finally:
+        monkeypatch.delenv("DEEPINFER_USE_NEXTN_DECODE")
+        envs.rearm("DEEPINFER_USE_NEXTN_DECODE")
+    assert config.scheduler.num_decode_tokens_per_seq == (1 if role == EngineType.PROMPT else 2)
+
+
+def _balance_steps(role: EngineType, kinds: str) -> int:
+    """Expert-balance steps counted over a run of step kinds ("p": prefill, "d": decode)."""
+    s = make_scheduler(role)
+    for kind in kinds:
+        if kind == "p":
+            s.add_sequence(make_seq(prompt_len=4, max_tokens=100))
+        elif not s.running and not s.prompted:
+            handed_off(s, max_tokens=100)
+        out = s.schedule()
+        assert out.prompt_run == (kind == "p" or role == EngineType.PROMPT)
+        complete_step(s, out)
+    return s.expert_balance_steps
+
+
+def test_eplb_counts_every_step_except_a_normal_engines_prefill_and_the_step_after():
+    assert _balance_steps(EngineType.NORMAL, "pdddpdd") == 3  # the first decode after each prefill is skipped
+    assert _balance_steps(EngineType.PROMPT, "ppp") == 3
+    assert _balance_steps(EngineType.COMPLETION, "ddd") == 3
+
+
+@pytest.mark.parametrize("role", ROLES)
+def test_only_a_normal_engine_votes_on_the_step_kind(role):
+    engine = make_engine(role, data_parallel_size=2)
+    assert (engine.scheduler.dp_vote is not None) == (role == EngineType.NORMAL)
+    assert make_engine(role).scheduler.dp_vote is None  # no vote without data parallelism
+
+
+def test_engine_class_per_role():
+    assert engine_class(EngineType.NORMAL) is LLMEngine
+    assert engine_class(EngineType.PROMPT) is PromptEngine
+    assert engine_class(EngineType.COMPLETION) is CompletionEngine
+    for role in ROLES:
+        assert role_profile(role).engine_type is role
 
 
 def test_engine_name_is_role_and_device(caplog):

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from deepinfer_core.sampling.penalties import apply_penalties
-from deepinfer_core.sampling.sampler import Sampler, SamplingRow, compute_prompt_logprobs
+from deepinfer_core.sampling.sampler import Sampler, compute_prompt_logprobs
+from deepinfer_core.sampling.sampling_row import SamplingRow
 from deepinfer_core.sampling_params import SamplingParams
 
 SAMPLER = Sampler()

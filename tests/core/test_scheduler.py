@@ -2,7 +2,7 @@
 
 import pytest
 
-from deepinfer_core.engine_type import EngineType
+from deepinfer_core.roles import EngineType
 from deepinfer_core.sequence import SequenceStatus
 from tests.helpers.sched import complete_step, handed_off, make_scheduler, make_seq
 

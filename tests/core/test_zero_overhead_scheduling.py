@@ -18,122 +18,22 @@ from __future__ import annotations
 import pytest
 
 from deepinfer_core.engine.overlap import PLACEHOLDER
-from deepinfer_core.engine_type import EngineType
 from deepinfer_core.pd.completion_engine import CompletionEngine
+from deepinfer_core.roles import EngineType
 from deepinfer_core.sampling_params import SamplingParams
-from tests.helpers.engines import copy_handoff, greedy, make_engine, prefill_on
+from tests.helpers.engines import copy_handoff, greedy, prefill_on
 from tests.helpers.images import make_png
+from tests.helpers.overlap import (
+    StepTrace,
+    assert_same_outputs,
+    drive,
+    output_fields,
+    overlap_engine,
+    overlap_prompts,
+    watch_hashing,
+)
 
 IMAGE = 1022  # <|image|> of the embedded model's tokenizer
-
-
-def _engine(zos: bool, engine_type: EngineType = EngineType.NORMAL, **kw):
-    engine = make_engine(engine_type, **kw)
-    engine.zero_overhead_scheduling = zos
-    return engine
-
-
-class _Trace:
-    """Records launches and read-backs of the runner, in order: ("launch", k) / ("result", k)."""
-
-    def __init__(self, engine):
-        self.events: list[tuple[str, int]] = []
-        self.scheduled: list[list[str]] = []  # request ids per launched step
-        runner = engine.worker.runner
-        launch = runner.launch
-
-        def traced(out, rows, *rest):
-            k = len(self.scheduled)
-            self.scheduled.append([s.request_id for s in out.scheduled_seqs])
-            self.events.append(("launch", k))
-            handle = launch(out, rows, *rest)
-            finish = handle.result
-
-            def result():
-                if ("result", k) not in self.events:
-                    self.events.append(("result", k))
-                return finish()
-
-            handle.result = result
-            return handle
-
-        runner.launch = traced
-
-
-def _watch_hashing(engine) -> list[int]:
-    """Checks every prefix-cache commit: the hashed blocks never hold a placeholder. Returns the
-    number of blocks hashed per commit."""
-    bm = engine.scheduler.block_manager
-    commit = bm.commit_full_blocks
-    hashed = []
-
-    def checked(seq):
-        full = (seq.num_cached_tokens // bm.block_size) * bm.block_size
-        assert PLACEHOLDER not in seq.token_ids[:full], "a block was hashed with a placeholder in it"
-        before = len(seq.block_hashes)
-        commit(seq)
-        hashed.append(len(seq.block_hashes) - before)
-
-    bm.commit_full_blocks = checked
-    return hashed
-
-
-def _drive(engine, requests, later=(), add_later_at=None, abort_at=None, max_calls=2000):
-    """Step until idle. `requests`/`later`: (request id, prompt ids, params, multi_modal_data);
-    `later` is added before call `add_later_at`. `abort_at`: {request id: abort once it has
-    streamed this many tokens}. Returns (final outputs by id, every output in order)."""
-    for rid, ids, params, mm in requests:
-        engine.add_request(rid, params=params, prompt_token_ids=ids, multi_modal_data=mm)
-    done, stream = {}, []
-    abort_at = dict(abort_at or {})
-    for call in range(max_calls):
-        if call == add_later_at:
-            for rid, ids, params, mm in later:
-                engine.add_request(rid, params=params, prompt_token_ids=ids, multi_modal_data=mm)
-        elif not engine.has_unfinished_requests() and (add_later_at is None or call > add_later_at):
-            return done, stream
-        for out in engine.step():
-            stream.append(out)
-            assert out.request_id not in done, "a finished request is reported once"
-            for c in out.outputs:
-                assert PLACEHOLDER not in c.token_ids
-            if out.finished:
-                done[out.request_id] = out
-            limit = abort_at.get(out.request_id)
-            if limit is not None and len(out.outputs[0].token_ids) >= limit:
-                engine.abort_request(out.request_id)
-                del abort_at[out.request_id]
-    raise AssertionError("the engine did not go idle")
-
-
-def _fields(out, exact_logprobs: bool = True):
-    samples = []
-    for c in out.outputs:
-        lps = c.logprobs if exact_logprobs else (None if c.logprobs is None else [sorted(d) for d in c.logprobs])
-        cum = c.cumulative_logprob if exact_logprobs or c.cumulative_logprob is None else round(c.cumulative_logprob, 3)
-        samples.append((c.index, c.token_ids, c.text, c.finish_reason, c.stop_reason, c.error, lps, cum))
-    return (out.finished, out.num_cached_tokens, out.prompt_logprobs, samples)
-
-
-def _assert_same(sync: dict, zos: dict, exact_logprobs: bool = True) -> None:
-    assert sync.keys() == zos.keys()
-    for rid in sync:
-        assert _fields(sync[rid], exact_logprobs) == _fields(zos[rid], exact_logprobs), rid
-        if not exact_logprobs:
-            for a, b in zip(sync[rid].outputs, zos[rid].outputs):
-                for da, db in zip(a.logprobs or [], b.logprobs or []):
-                    assert da == pytest.approx(db, abs=1e-5), rid
-
-
-def _prompts(engine) -> list[list[int]]:
-    texts = [
-        "Hello there",
-        "The quick brown fox jumps over the lazy dog " * 3,
-        "a",
-        "Once upon a time in a land far away, there lived",
-        "One two three four five six seven eight nine ten eleven twelve thirteen fourteen",
-    ]
-    return [engine.tokenizer.encode(t) for t in texts]
 
 
 def _length_workload(prompts):
@@ -169,25 +69,25 @@ def _length_workload(prompts):
 def test_length_workload_equals_synchronous_exactly(engine_kw):
     results = {}
     for zos in (False, True):
-        engine = _engine(zos, **engine_kw)
+        engine = overlap_engine(zos, **engine_kw)
         free0 = engine.scheduler.block_manager.num_free_blocks
-        first, later = _length_workload(_prompts(engine))
-        trace = _Trace(engine)
-        hashed = _watch_hashing(engine)
-        results[zos], _ = _drive(engine, first, later, add_later_at=4)
+        first, later = _length_workload(overlap_prompts(engine))
+        trace = StepTrace(engine)
+        hashed = watch_hashing(engine)
+        results[zos], _ = drive(engine, first, later, add_later_at=4)
         results[zos, "batches"] = trace.scheduled
         assert sum(hashed) > 0
         assert engine.scheduler.block_manager.num_free_blocks == free0
     assert results[False, "batches"] == results[True, "batches"]  # the very same steps ran
-    _assert_same(results[False], results[True])
+    assert_same_outputs(results[False], results[True])
     assert results[True]["hit-1"].num_cached_tokens > 0 and results[True]["hit-2"].num_cached_tokens > 0
     assert len(results[True]["n3"].outputs) == 3
 
 
 def test_stops_and_abort_equal_synchronous():
-    ref = _engine(False)
-    prompts = _prompts(ref)
-    want = _drive(ref, [("r", prompts[0], greedy(16), None)])[0]["r"].outputs[0]
+    ref = overlap_engine(False)
+    prompts = overlap_prompts(ref)
+    want = drive(ref, [("r", prompts[0], greedy(16), None)])[0]["r"].outputs[0]
     stop_token, stop_str = want.token_ids[4], want.text[6:9]
     first = [
         ("stop-token", prompts[0], greedy(16, stop_token_ids=[stop_token], logprobs=2), None),
@@ -201,12 +101,12 @@ def test_stops_and_abort_equal_synchronous():
     ]
     results, streams = {}, {}
     for zos in (False, True):
-        engine = _engine(zos)
+        engine = overlap_engine(zos)
         free0 = engine.scheduler.block_manager.num_free_blocks
-        results[zos], streams[zos] = _drive(engine, first, abort_at={"aborted": 5})
+        results[zos], streams[zos] = drive(engine, first, abort_at={"aborted": 5})
         assert engine.scheduler.block_manager.num_free_blocks == free0
         assert not engine.requests
-    _assert_same(results[False], results[True], exact_logprobs=False)
+    assert_same_outputs(results[False], results[True], exact_logprobs=False)
     assert results[True]["stop-token"].outputs[0].stop_reason == stop_token
     assert results[True]["stop-str"].outputs[0].finish_reason == "stop"
     assert "aborted" not in results[True]
@@ -216,23 +116,23 @@ def test_stops_and_abort_equal_synchronous():
 
 
 def test_the_next_step_launches_before_this_one_is_read_back():
-    engine = _engine(True)
-    trace = _Trace(engine)
-    prompts = _prompts(engine)
+    engine = overlap_engine(True)
+    trace = StepTrace(engine)
+    prompts = overlap_prompts(engine)
     requests = [(f"r{i}", p, greedy(6), None) for i, p in enumerate(prompts[:3])]
     for rid, ids, params, _ in requests:
         engine.add_request(rid, params=params, prompt_token_ids=ids)
     assert engine.step() == []  # the first call only launches
     assert engine.has_unfinished_requests()  # the step in flight counts
-    _drive(engine, [])
+    drive(engine, [])
     launches = [k for kind, k in trace.events if kind == "launch" and trace.scheduled[k]]
     assert len(launches) >= 6
     for k in launches[:-1]:  # every step but the last: step k + 1 is launched before k is read back
         assert trace.events.index(("launch", k + 1)) < trace.events.index(("result", k))
     # the synchronous engine reads every step back before the next launch
-    sync = _engine(False)
-    trace = _Trace(sync)
-    _drive(sync, requests)
+    sync = overlap_engine(False)
+    trace = StepTrace(sync)
+    drive(sync, requests)
     for k in range(len(trace.scheduled) - 1):
         assert trace.events.index(("result", k)) < trace.events.index(("launch", k + 1))
 
@@ -240,8 +140,8 @@ def test_the_next_step_launches_before_this_one_is_read_back():
 def test_outputs_stream_every_token_one_call_later():
     per_call = {}
     for zos in (False, True):
-        engine = _engine(zos)
-        engine.add_request("r", params=greedy(5), prompt_token_ids=_prompts(engine)[0])
+        engine = overlap_engine(zos)
+        engine.add_request("r", params=greedy(5), prompt_token_ids=overlap_prompts(engine)[0])
         calls = []
         while engine.has_unfinished_requests():
             calls.append([len(o.outputs[0].token_ids) for o in engine.step()])
@@ -251,17 +151,17 @@ def test_outputs_stream_every_token_one_call_later():
 
 
 def test_a_finished_sequences_extra_sample_is_dropped_and_its_blocks_return():
-    ref = _engine(False)
-    ids = _prompts(ref)[3]
-    want = _drive(ref, [("r", ids, greedy(12), None)])[0]["r"].outputs[0].token_ids
+    ref = overlap_engine(False)
+    ids = overlap_prompts(ref)[3]
+    want = drive(ref, [("r", ids, greedy(12), None)])[0]["r"].outputs[0].token_ids
     stop_at = 1
     while want[stop_at] in want[:stop_at]:
         stop_at += 1
     assert stop_at < 10  # a stop token, not the max_tokens cap, ends it
-    engine = _engine(True)
-    trace = _Trace(engine)
+    engine = overlap_engine(True)
+    trace = StepTrace(engine)
     free0 = engine.scheduler.block_manager.num_free_blocks
-    out, stream = _drive(engine, [("r", ids, greedy(12, stop_token_ids=[want[stop_at]]), None)])
+    out, stream = drive(engine, [("r", ids, greedy(12, stop_token_ids=[want[stop_at]]), None)])
     assert out["r"].outputs[0].token_ids == want[: stop_at + 1]
     assert out["r"].outputs[0].finish_reason == "stop"
     # one step more ran for it than it has tokens: that sample was never appended or reported
@@ -280,12 +180,12 @@ def test_penalties_fall_back_to_synchronous_steps_and_stay_identical():
     ]
     results, traces = {}, {}
     for zos in (False, True):
-        engine = _engine(zos)
-        prompts = _prompts(engine)
-        traces[zos] = _Trace(engine)
+        engine = overlap_engine(zos)
+        prompts = overlap_prompts(engine)
+        traces[zos] = StepTrace(engine)
         requests = [(rid, prompts[i], p, None) for i, (rid, p) in enumerate(penalised)]
-        results[zos], _ = _drive(engine, requests)
-    _assert_same(results[False], results[True])
+        results[zos], _ = drive(engine, requests)
+    assert_same_outputs(results[False], results[True])
     trace = traces[True]
     for k, rids in enumerate(trace.scheduled[:-1]):
         if {"rep", "pres", "freq"} & set(rids):  # read back before the next step was scheduled
@@ -302,17 +202,17 @@ def test_preemption_with_a_small_kv_pool_equals_synchronous(stop_preempted):
     results = {}
     for zos in (False, True):
         # 12 blocks of 8 tokens cannot hold five growing sequences at once
-        engine = _engine(zos, num_gpu_blocks=12, block_size=8, stop_preempted_request=stop_preempted)
-        prompts = _prompts(engine)
+        engine = overlap_engine(zos, num_gpu_blocks=12, block_size=8, stop_preempted_request=stop_preempted)
+        prompts = overlap_prompts(engine)
         requests = [(f"r{i}", p[:20], greedy(30, logprobs=1), None) for i, p in enumerate(prompts)]
-        trace = _Trace(engine)
-        _watch_hashing(engine)
-        results[zos], _ = _drive(engine, requests)
+        trace = StepTrace(engine)
+        watch_hashing(engine)
+        results[zos], _ = drive(engine, requests)
         results[zos, "batches"] = trace.scheduled
         assert engine.scheduler.num_preemptions > 0
         assert engine.scheduler.block_manager.num_free_blocks == 12
     assert results[False, "batches"] == results[True, "batches"]
-    _assert_same(results[False], results[True])
+    assert_same_outputs(results[False], results[True])
     reasons = {o.outputs[0].finish_reason for o in results[True].values()}
     assert ("preempted" in reasons) == stop_preempted
 
@@ -320,8 +220,8 @@ def test_preemption_with_a_small_kv_pool_equals_synchronous(stop_preempted):
 def test_preempting_a_sequence_whose_token_is_in_flight():
     """Recompute preemption of a sequence that holds a placeholder: it re-enters `waiting`, the
     token comes back into it, and its recompute includes that token."""
-    engine = _engine(True, num_gpu_blocks=12, block_size=8)
-    prompts = _prompts(engine)
+    engine = overlap_engine(True, num_gpu_blocks=12, block_size=8)
+    prompts = overlap_prompts(engine)
     requests = [(f"r{i}", p[:20], greedy(30), None) for i, p in enumerate(prompts)]
     seen = []
     preempt = engine.scheduler._preempt_newest
@@ -333,20 +233,20 @@ def test_preempting_a_sequence_whose_token_is_in_flight():
         return ok
 
     engine.scheduler._preempt_newest = watched
-    done, _ = _drive(engine, requests)
+    done, _ = drive(engine, requests)
     assert any(seen)
-    ref = _engine(False, num_gpu_blocks=256)
-    want, _ = _drive(ref, requests)
+    ref = overlap_engine(False, num_gpu_blocks=256)
+    want, _ = drive(ref, requests)
     assert [done[r].outputs[0].token_ids for r in sorted(done)] == [want[r].outputs[0].token_ids for r in sorted(want)]
 
 
 def test_completion_engine_overlaps_and_keeps_its_hand_off_abort_and_lease_paths():
     pytest.importorskip("nixl")  # a CE registers its KV cache with a NIXL agent
-    pe = _engine(False, EngineType.PROMPT)
-    prompts = _prompts(pe)
+    pe = overlap_engine(False, EngineType.PROMPT)
+    prompts = overlap_prompts(pe)
     results = {}
     for zos in (False, True):
-        ce = _engine(zos, EngineType.COMPLETION, cls=CompletionEngine)
+        ce = overlap_engine(zos, EngineType.COMPLETION, cls=CompletionEngine)
         free0 = ce.scheduler.block_manager.num_free_blocks
         for i, p in enumerate(prompts):
             params = greedy(8 + i, logprobs=1)
@@ -373,34 +273,35 @@ def test_completion_engine_overlaps_and_keeps_its_hand_off_abort_and_lease_paths
     sync, zos = results[False], results[True]
     assert sync.keys() == zos.keys()
     for k in sync:
-        assert _fields(sync[k], exact_logprobs=False)[3] == _fields(zos[k], exact_logprobs=False)[3], k
+        assert output_fields(sync[k], exact_logprobs=False)[3] == output_fields(zos[k], exact_logprobs=False)[3], k
 
 
 def test_switching_overlap_off_finishes_the_step_in_flight():
-    engine = _engine(True)
-    engine.add_request("r", params=greedy(4), prompt_token_ids=_prompts(engine)[0])
+    engine = overlap_engine(True)
+    engine.add_request("r", params=greedy(4), prompt_token_ids=overlap_prompts(engine)[0])
     assert engine.step() == [] and engine._step_in_flight is not None
     engine.zero_overhead_scheduling = False
     outs = engine.step()  # the prefill (in flight) and the first decode
     assert [len(o.outputs[0].token_ids) for o in outs] == [1, 2] and engine._step_in_flight is None
-    done, _ = _drive(engine, [])
+    done, _ = drive(engine, [])
     assert len(done["r"].outputs[0].token_ids) == 4
 
 
 def test_streaming_core_streams_every_token_and_goes_idle():
-    """The services' engine thread (EngineHost via a colocated StreamingCore) keeps stepping while
+    """The services' engine thread (EngineHost via a colocated DecodeCore) keeps stepping while
     a step is in flight: every token reaches its stream, in order, and every request finishes."""
     import asyncio
 
     from services.common.workers import POOL_COLOCATED
-    from services.workers.colocated_core import ColocatedCore
-    from services.workers.worker_server import WorkerSpec, build_engine
+    from services.workers.decode_core import DecodeCore
+    from services.workers.spec import EngineSettings, WorkerSpec
+    from services.workers.worker_server import build_engine
 
     args = dict(device="cpu", num_gpu_blocks=128, max_model_len=256, block_size=8)
-    ref = _engine(False)
-    prompts = _prompts(ref)[:4]
+    ref = overlap_engine(False)
+    prompts = overlap_prompts(ref)[:4]
     params = [greedy(6 + 3 * i) for i in range(len(prompts))]
-    want = _drive(ref, [(f"r{i}", p, params[i], None) for i, p in enumerate(prompts)])[0]
+    want = drive(ref, [(f"r{i}", p, params[i], None) for i, p in enumerate(prompts)])[0]
 
     async def one(core, i):
         tokens, finish = [], None
@@ -411,9 +312,9 @@ def test_streaming_core_streams_every_token_and_goes_idle():
         return tokens, finish
 
     async def run():
-        engine = build_engine(WorkerSpec("normal-0", POOL_COLOCATED, args))
+        engine = build_engine(WorkerSpec("normal-0", POOL_COLOCATED, EngineSettings(**args)))
         engine.zero_overhead_scheduling = True
-        core = ColocatedCore(engine, "normal-0")
+        core = DecodeCore(engine, "normal-0")
         core.start()
         try:
             got = await asyncio.gather(*(one(core, i) for i in range(len(prompts))))

@@ -58,6 +58,18 @@ def test_errors_are_statuses_with_messages(channel):
     assert e.value.code() == grpc.StatusCode.NOT_FOUND
 
 
+def test_a_prompt_the_prefill_engine_refuses_is_invalid_argument_and_not_retried(cluster, channel):
+    """An image placeholder without an image reaches the PE, which refuses it as the client's fault."""
+    stub = gateway_pb2_grpc.GatewayStub(channel)
+    retries = cluster.metric("deepinfer:router_retries_total")
+    request = gateway_pb2.GenerateRequest(text="look at <|image|> this", params=common_pb2.SamplingParams(max_tokens=3))
+    with pytest.raises(grpc.RpcError) as e:
+        list(stub.Generate(request, timeout=60))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "image placeholder" in e.value.details()
+    assert "prefill failed" not in e.value.details()
+    assert cluster.metric("deepinfer:router_retries_total") == retries
+
+
 def test_health_models_and_reflection(channel):
     stub = gateway_pb2_grpc.GatewayStub(channel)
     assert stub.Health(gateway_pb2.HealthCheckRequest(), timeout=10).ready

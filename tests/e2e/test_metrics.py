@@ -1,20 +1,10 @@
 """/metrics on the gateway and on each worker, after traffic."""
 
-import re
-
 import grpc
 import httpx
 
 from proto import common_pb2, gateway_pb2_grpc
-
-
-def _value(text: str, name: str, **labels) -> float:
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith(name) and all(f'{k}="{v}"' in line for k, v in labels.items()):
-            if re.match(rf"{re.escape(name)}(\{{|\s)", line):
-                total += float(line.rsplit(" ", 1)[1])
-    return total
+from tests.helpers.cluster import metric_value
 
 
 def test_gateway_metrics_have_counts_after_traffic(cluster):
@@ -34,12 +24,12 @@ def test_gateway_metrics_have_counts_after_traffic(cluster):
         "deepinfer:kv_transfer_seconds",
         "deepinfer:kv_handoff_exposed_seconds",
     ):
-        assert _value(text, f"{histogram}_count") >= 3, histogram
-    assert _value(text, "deepinfer:kv_transfer_bytes_total") > 0
-    assert _value(text, "deepinfer:kv_handoff_exposed_seconds_sum") > 0
-    assert _value(text, "deepinfer:router_decisions_total", pool="prefill") >= 3
-    assert _value(text, "deepinfer:router_decisions_total", pool="decode") >= 3
-    assert _value(text, "deepinfer:generation_tokens_total") >= 15
+        assert metric_value(text, f"{histogram}_count") >= 3, histogram
+    assert metric_value(text, "deepinfer:kv_transfer_bytes_total") > 0
+    assert metric_value(text, "deepinfer:kv_handoff_exposed_seconds_sum") > 0
+    assert metric_value(text, "deepinfer:router_decisions_total", pool="prefill") >= 3
+    assert metric_value(text, "deepinfer:router_decisions_total", pool="decode") >= 3
+    assert metric_value(text, "deepinfer:generation_tokens_total") >= 15
     assert "deepinfer:kv_cache_usage_perc{" in text and 'role="decode"' in text and 'role="prefill"' in text
     assert "deepinfer:num_requests_running{" in text and "deepinfer:num_requests_waiting{" in text
     assert "deepinfer:prefix_cache_hit_rate{" in text
@@ -54,4 +44,4 @@ def test_each_worker_exposes_its_own_metrics(cluster):
         text = httpx.get(f"http://{w.info.metrics_address}/metrics", timeout=10).text
         role = {2: "prefill", 3: "decode"}[w.info.pool]
         assert f'deepinfer:kv_cache_usage_perc{{role="{role}",worker="{w.info.worker_id}"}}' in text
-        assert _value(text, "deepinfer:handoffs_total") >= 1
+        assert metric_value(text, "deepinfer:handoffs_total") >= 1

@@ -53,6 +53,12 @@ class ServeProcess:
     def base_url(self) -> str:
         return f"{self.url}/v1"
 
+    def metric(self, name: str, **labels) -> float:
+        """A metric of the gateway's /metrics now, summed over the series that carry `labels`."""
+        import httpx
+
+        return metric_value(httpx.get(f"{self.url}/metrics", timeout=10).text, name, **labels)
+
     def cli(self, *args: str, timeout_s: float = 600.0) -> subprocess.CompletedProcess:
         """Run `deepinfer <args> --address <this cluster>`."""
         cmd = [sys.executable, "-m", "services.cli.main", *args, "--address", self.grpc_address]
@@ -66,6 +72,16 @@ class ServeProcess:
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait(10)
+
+
+def metric_value(text: str, name: str, **labels) -> float:
+    """The sum of the Prometheus series `name` in `text` that carry `labels` (0 when none does)."""
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name) and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            if re.match(rf"{re.escape(name)}(\{{|\s)", line):
+                total += float(line.rsplit(" ", 1)[1])
+    return total
 
 
 def wait_until(predicate, timeout_s: float = 30.0, interval_s: float = 0.1):

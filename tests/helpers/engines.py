@@ -6,7 +6,7 @@ from typing import Optional
 
 from deepinfer_core.engine.llm_engine import LLMEngine
 from deepinfer_core.engine_args import EngineArgs
-from deepinfer_core.engine_type import EngineType
+from deepinfer_core.roles import EngineType, role_profile
 from deepinfer_core.sampling_params import SamplingParams
 from deepinfer_core.sequence import Sequence
 
@@ -16,7 +16,7 @@ def make_engine(engine_type: EngineType = EngineType.NORMAL, cls: type = LLMEngi
     kw.setdefault("max_model_len", 256)
     kw.setdefault("block_size", 8)
     kw.setdefault("device", "cpu")
-    if engine_type == EngineType.COMPLETION:
+    if role_profile(engine_type).requires_stop_preempted_request:
         kw.setdefault("stop_preempted_request", True)
     return cls.from_engine_args(EngineArgs(engine_type=engine_type, **kw))
 

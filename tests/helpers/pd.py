@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import time
 
+from benchmarks.pd_harness import EngineProcess
 from deepinfer_core import LLM, SamplingParams
 from deepinfer_core.config import PDConfig
 from deepinfer_core.engine_args import EngineArgs
-from deepinfer_core.engine_type import EngineType
-from deepinfer_core.pd.harness import EngineProcess
 from deepinfer_core.pd.prompt_engine import PromptEngine
+from deepinfer_core.roles import EngineType
 from deepinfer_core.transfer.messages import KVTarget
 
 ENGINE_ARGS = dict(device="cpu", num_gpu_blocks=192, max_model_len=256, block_size=8)

@@ -6,7 +6,7 @@ import itertools
 from typing import Optional
 
 from deepinfer_core.config import CacheConfig, SchedulerConfig
-from deepinfer_core.engine_type import EngineType
+from deepinfer_core.roles import EngineType, role_profile
 from deepinfer_core.sampling_params import SamplingParams
 from deepinfer_core.scheduler.outputs import SchedulerOutputs
 from deepinfer_core.scheduler.scheduler import Scheduler
@@ -29,7 +29,7 @@ def make_scheduler(
     num_state_slots: int = 0,
 ) -> Scheduler:
     if stop_preempted_request is None:
-        stop_preempted_request = engine_type == EngineType.COMPLETION
+        stop_preempted_request = role_profile(engine_type).requires_stop_preempted_request
     config = SchedulerConfig(
         engine_type=engine_type,
         max_model_len=max_model_len,

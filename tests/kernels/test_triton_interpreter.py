@@ -1,7 +1,7 @@
 """Every Triton kernel against its torch reference on CPU, through the Triton interpreter.
 
 `TRITON_INTERPRET=1` must be set before triton is imported, so the checks run in a child
-process (`python -m kernels.bench --check`) with random odd-sized inputs; each kernel's cases
+process (`python -m benchmarks.kernel_bench --check`) with random odd-sized inputs; each kernel's cases
 are then asserted here one test per kernel.
 """
 
@@ -41,7 +41,7 @@ def results(tmp_path_factory) -> dict[str, list[dict]]:
     out = tmp_path_factory.mktemp("interp") / "check.json"
     env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
     proc = subprocess.run(
-        [sys.executable, "-m", "kernels.bench", "--check", "--cpu", "--json", str(out)],
+        [sys.executable, "-m", "benchmarks.kernel_bench", "--check", "--cpu", "--json", str(out)],
         cwd=ROOT,
         env=env,
         capture_output=True,

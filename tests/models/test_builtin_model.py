@@ -17,12 +17,12 @@ import transformers
 from deepinfer_core import LLM, SamplingParams
 from deepinfer_core.builtin import TINY_MODEL_DIR
 from deepinfer_core.config import ModelConfig
-from deepinfer_core.engine_type import EngineType
 from deepinfer_core.models.deepseek_v3 import DeepseekV3ForCausalLM
 from deepinfer_core.models.hf_config import load_hf_config
 from deepinfer_core.models.llava import LlavaForConditionalGeneration
 from deepinfer_core.models.loader import load_model
 from deepinfer_core.multimodal.image_processor import load_image
+from deepinfer_core.roles import EngineType
 from tests.helpers.engines import copy_handoff, greedy, make_engine, run_to_completion
 from tests.helpers.export import export_checkpoint, hf_llava_state_dict
 from tests.helpers.images import make_png

@@ -9,7 +9,7 @@ import torch
 
 from deepinfer_core import LLM, SamplingParams
 from deepinfer_core.builtin import TINY_MODEL_DIR
-from deepinfer_core.engine_type import EngineType
+from deepinfer_core.roles import EngineType
 from tests.helpers.hf_models import save_hf_checkpoint
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from deepinfer_core.pd.harness import PDPair
+from benchmarks.pd_harness import PDPair
 from deepinfer_core.sampling_params import SamplingParams
 from tests.helpers.pd import ENGINE_ARGS, greedy, normal_reference, wait_free_blocks
 

@@ -6,9 +6,10 @@ import time
 
 import pytest
 
+from benchmarks.pd_harness import RemoteError
 from deepinfer_core import envs
 from deepinfer_core.config import PDConfig
-from deepinfer_core.pd.harness import RemoteError
+from deepinfer_core.errors import KVTargetRejected
 from deepinfer_core.pd.prompt_engine import PromptEngine
 from tests.helpers.pd import ENGINE_ARGS, greedy, local_pe, reserve, run_pe, start_ce, wait_ce, wait_free_blocks
 
@@ -98,7 +99,7 @@ def test_refused_fingerprint_allocates_nothing_and_the_lease_frees_the_ce(ce):
     prompt = list(range(1, 40))
     target = reserve(ce, "foreign", prompt, greedy(4), lease_s=1.0)
     forged = dataclasses.replace(target, fingerprint="0" * 20, layout="SomeOtherModel bfloat16")
-    with pytest.raises(ValueError, match="KV layout mismatch.*SomeOtherModel"):
+    with pytest.raises(KVTargetRejected, match="KV layout mismatch.*SomeOtherModel"):
         pe.add_prefill("foreign", forged, greedy(4), prompt)
     assert pe.scheduler.block_manager.num_free_blocks == free0 and not pe.requests
     out = wait_ce(ce, ["foreign"], timeout_s=30)["foreign"]
@@ -110,7 +111,7 @@ def test_refused_fingerprint_allocates_nothing_and_the_lease_frees_the_ce(ce):
 def test_a_ce_of_another_layout_is_refused_at_registration(ce):
     pe = local_pe()
     forged = dataclasses.replace(ce.info["kv_region"], fingerprint="0" * 20, layout="SomeOtherModel bfloat16")
-    with pytest.raises(ValueError, match="KV layout mismatch.*SomeOtherModel"):
+    with pytest.raises(KVTargetRejected, match="KV layout mismatch.*SomeOtherModel"):
         pe.connect_peer(ce.info["agent_name"], ce.info["agent_metadata"], forged)
     assert pe.agent.num_remote_lists == 0
 
@@ -121,7 +122,7 @@ def test_an_expired_reservation_is_refused_by_the_pe(ce):
     out = wait_ce(ce, ["slow"], timeout_s=30)["slow"]
     assert "lease expired" in out.outputs[0].error
     pe = local_pe()
-    with pytest.raises(ValueError, match="expired"):
+    with pytest.raises(KVTargetRejected, match="expired"):
         pe.add_prefill("slow", target, greedy(4), prompt)
     assert ce.call("stats")["reservations"] == 0
     assert wait_free_blocks(ce, N) == N  # quarantined blocks come back after the grace period
@@ -182,7 +183,7 @@ def test_reservation_over_capacity_is_refused_clearly(ce):
     fits = N // 32
     for i in range(fits):
         reserve(ce, f"fill-{i}", prompt, greedy(4))
-    with pytest.raises(RemoteError, match="KVCapacityError.*free KV blocks"):
+    with pytest.raises(RemoteError, match="^CapacityError: .*free KV blocks"):
         reserve(ce, "one-too-many", prompt, greedy(4))
     for i in range(fits):
         ce.call("abort", f"fill-{i}")
@@ -192,7 +193,7 @@ def test_reservation_over_capacity_is_refused_clearly(ce):
 def test_bad_target_size_is_refused(ce):
     pe = local_pe()
     target = reserve(ce, "short", [1, 2, 3], greedy(2))
-    with pytest.raises(ValueError, match="reserves"):
+    with pytest.raises(KVTargetRejected, match="reserves"):
         pe.add_prefill("short", target, greedy(2), list(range(1, 60)))
     assert not pe.requests
     ce.call("abort", "short")

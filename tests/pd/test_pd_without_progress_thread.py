@@ -7,8 +7,8 @@ import torch
 
 pytest.importorskip("nixl")
 
+from benchmarks.pd_harness import PDPair  # noqa: E402
 from deepinfer_core import envs  # noqa: E402
-from deepinfer_core.pd.harness import PDPair  # noqa: E402
 from deepinfer_core.transfer.nixl_agent import _wants_progress_thread  # noqa: E402
 from tests.helpers.pd import ENGINE_ARGS, greedy, normal_reference, wait_free_blocks  # noqa: E402
 

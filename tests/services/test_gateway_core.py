@@ -7,12 +7,14 @@ import pytest
 from deepinfer_core.builtin import TINY_MODEL_DIR
 from deepinfer_core.tokenizer import load_tokenizer
 from services.common.errors import ErrorCode, ServiceError
+from services.common.limits import RequestLimits
 from services.gateway import validation
 from services.gateway.core import GatewayConfig, GatewayCore
 
 
-def _core(**kw) -> GatewayCore:
-    return GatewayCore(GatewayConfig("m", 64, **kw), load_tokenizer(TINY_MODEL_DIR), router=None)
+def _core(max_n: int = 16, **kw) -> GatewayCore:
+    config = GatewayConfig("m", 64, limits=RequestLimits(max_n=max_n), **kw)
+    return GatewayCore(config, load_tokenizer(TINY_MODEL_DIR), router=None)
 
 
 def test_more_requests_than_the_limit_get_429():

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from google.protobuf import descriptor_pb2
 
-from deepinfer_core.engine_type import EngineType
+from deepinfer_core.roles import EngineType
 from proto import common_pb2, gateway_pb2, gateway_pb2_grpc, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 ROOT = Path(__file__).resolve().parents[2]

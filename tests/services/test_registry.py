@@ -14,9 +14,10 @@ from services.common.messages import info_from_proto, info_to_proto  # noqa: E40
 from services.common.workers import POOL_DECODE, POOL_PREFILL  # noqa: E402
 from services.router.clients import GrpcWorkerClient  # noqa: E402
 from services.router.registry import PoolRegistry  # noqa: E402
-from services.workers.worker_server import WorkerServer, WorkerSpec  # noqa: E402
+from services.workers.spec import EngineSettings, WorkerSpec  # noqa: E402
+from services.workers.worker_server import WorkerServer  # noqa: E402
 
-ARGS = dict(device="cpu", num_gpu_blocks=64, max_model_len=128, block_size=8)
+ARGS = EngineSettings(device="cpu", num_gpu_blocks=64, max_model_len=128, block_size=8)
 
 
 @pytest.fixture(scope="module")

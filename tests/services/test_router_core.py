@@ -7,19 +7,21 @@ import pytest
 
 from deepinfer_core import LLM, SamplingParams
 from services.common.errors import ErrorCode, ServiceError
+from services.common.limits import RequestLimits
 from services.common.workers import POOL_COLOCATED, WorkerInfo
 from services.router.clients import LocalWorkerClient
 from services.router.config import RouterConfig
 from services.router.core import RouterCore
 from services.router.registry import PoolRegistry
-from services.workers.colocated_core import ColocatedCore
-from services.workers.worker_server import WorkerSpec, build_engine
+from services.workers.decode_core import DecodeCore
+from services.workers.spec import EngineSettings, WorkerSpec
+from services.workers.worker_server import build_engine
 
 ARGS = dict(device="cpu", num_gpu_blocks=128, max_model_len=256, block_size=8)
 
 
-async def _router(**config) -> tuple[RouterCore, ColocatedCore]:
-    core = ColocatedCore(build_engine(WorkerSpec("normal-0", POOL_COLOCATED, ARGS)), "normal-0")
+async def _router(**config) -> tuple[RouterCore, DecodeCore]:
+    core = DecodeCore(build_engine(WorkerSpec("normal-0", POOL_COLOCATED, EngineSettings(**ARGS))), "normal-0")
     core.start()
     registry = PoolRegistry(lambda info: LocalWorkerClient(core))
     info = WorkerInfo(
@@ -75,7 +77,7 @@ def test_leaving_early_aborts_the_request_on_the_engine():
 
 def test_bad_requests_and_missing_pools_fail_with_codes():
     async def run():
-        router, core = await _router(max_n=2, admission_timeout_s=0.2)
+        router, core = await _router(limits=RequestLimits(max_n=2), admission_timeout_s=0.2)
         errors = []
         try:
             for prompt, params in (

@@ -54,7 +54,7 @@ def test_assembler_holds_back_a_possible_stop_string_and_splices_overlaps():
     asm.apply(SampleDelta(token_offset=0, token_ids=[7], text_offset=0, text="hello"))  # PE's first token
     out = asm.take()
     assert out.token_ids == [7] and out.text == "hel"
-    # the CE resends the first token; then the stop string "lo!" is cut off the end
+    # a delta overlapping what the assembler has (from offset 0) splices in; then the stop string "lo!" is cut off
     asm.apply(SampleDelta(token_offset=0, token_ids=[7, 8], text_offset=0, text="hello!"))
     asm.apply(
         SampleDelta(token_offset=2, token_ids=[], text_offset=3, text="", finish_reason="stop", stop_reason="lo!")

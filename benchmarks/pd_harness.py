@@ -3,7 +3,7 @@ transfer -> decode, as deployed (transfers between processes, never inside one).
 
 `EngineProcess` hosts one engine behind a pipe; its loop applies commands between steps,
 polls hand-off notices (CE) and steps while there is work. `PDPair` wires one PE to one
-CE. The cluster services wrap the same engine calls in gRPC.
+CE. The cluster services wrap the same engine calls in gRPC. Tests and benchmarks use it.
 """
 
 from __future__ import annotations
@@ -14,8 +14,9 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from deepinfer_core.engine_type import EngineType
+from deepinfer_core.errors import FinishReason
 from deepinfer_core.outputs import CompletionOutput, RequestOutput
+from deepinfer_core.roles import EngineType, engine_class
 from deepinfer_core.sampling_params import SamplingParams
 
 
@@ -74,13 +75,9 @@ class EngineProcess:
 
 # ---- the engine side ------------------------------------------------------------------------
 def _build(engine_type: EngineType, engine_args: dict[str, Any]):
-    from deepinfer_core.engine.llm_engine import LLMEngine
     from deepinfer_core.engine_args import EngineArgs
-    from deepinfer_core.pd.completion_engine import CompletionEngine
-    from deepinfer_core.pd.prompt_engine import PromptEngine
 
-    cls = {EngineType.PROMPT: PromptEngine, EngineType.COMPLETION: CompletionEngine}.get(engine_type, LLMEngine)
-    return cls.from_engine_args(EngineArgs(engine_type=engine_type, **engine_args))
+    return engine_class(engine_type).from_engine_args(EngineArgs(engine_type=engine_type, **engine_args))
 
 
 class _Server:
@@ -107,11 +104,10 @@ class _Server:
 
     def collect(self):
         outputs, self.outbox = self.outbox, []
-        results = self.engine.pop_handoff_results() if hasattr(self.engine, "pop_handoff_results") else []
-        return outputs, results
+        return outputs, self.engine.pop_handoff_results()
 
     def stats(self):
-        sched, agent = self.engine.scheduler, getattr(self.engine, "agent", None)
+        sched, agent = self.engine.scheduler, self.engine.agent
         return {
             "free_blocks": sched.block_manager.num_free_blocks,
             "num_blocks": sched.block_manager.num_blocks,
@@ -130,11 +126,9 @@ class _Server:
 
     def pump(self) -> bool:
         """One loop turn of engine work; True when there was work."""
-        worked = False
-        if hasattr(self.engine, "poll_handoffs"):
-            outs = self.engine.poll_handoffs()
-            self.outbox.extend(outs)
-            worked = bool(outs)
+        outs = self.engine.poll_handoffs()
+        self.outbox.extend(outs)
+        worked = bool(outs)
         if self.engine.has_unfinished_requests():
             self.outbox.extend(self.engine.step())
             worked = True
@@ -148,7 +142,7 @@ def _serve(conn, engine_type: EngineType, engine_args: dict[str, Any]) -> None:
         conn.send(("failed", (type(e).__name__, f"{e}\n{traceback.format_exc()}")))
         return
     server = _Server(engine)
-    agent = getattr(engine, "agent", None)
+    agent = engine.agent
     conn.send(
         (
             "ready",
@@ -239,6 +233,6 @@ def _failed_output(request_id: str, error: Optional[str]) -> RequestOutput:
         request_id=request_id,
         prompt=None,
         prompt_token_ids=[],
-        outputs=[CompletionOutput(index=0, text="", token_ids=[], finish_reason="error", error=error)],
+        outputs=[CompletionOutput(index=0, text="", token_ids=[], finish_reason=FinishReason.ERROR, error=error)],
         finished=True,
     )

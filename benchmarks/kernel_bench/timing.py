@@ -1,4 +1,4 @@
-"""`python -m kernels.bench` on a GPU: time every kernel at the issue's target shapes.
+"""`python -m benchmarks.kernel_bench` on a GPU: time every kernel at its target shapes.
 
 Each row: median time of the Triton kernel, achieved bytes/s and FLOP/s, the floor (bytes that
 must move / measured copy bandwidth, or FLOPs / measured bf16 matmul rate, whichever is
@@ -56,17 +56,15 @@ def cold_ms(fn: Callable[[], object], rep: int, flush: str = "read") -> float:
     over ~`rep` ms of repetitions.
 
     `memset` is `triton.testing.do_bench`: it zeroes the buffer, which leaves L2 full of dirty lines
-    that the op then writes back before its own reads get the memory. That costs a fixed ~8 us
-    (a contiguous read of 302 MB: 79.3 us after the memset, 71.0 after a read; of 1 GiB: 246.1 and
-    237.8; deploy/benchmarks.md), which no op pays in an engine step (the kernels before it leave
-    weights, clean lines, in L2). `read` empties L2 by reading the buffer (a max over it): the op
-    starts as cold, with nothing to write back.
+    that the op then writes back before its own reads get the memory. That adds a fixed cost to every
+    op, which no op pays in an engine step (the kernels before it leave weights, clean lines, in L2).
+    `read` empties L2 by reading the buffer (a max over it): the op starts as cold, with nothing to
+    write back.
 
     The stream is held by a GPU spin before each flush, longer than the host takes to launch `fn`,
-    so the start event never fires while the host is still launching. An MLA op took 130-235 us of
-    host time a call, more than its 80 us on the GPU plus the flush's, and the timing then included
-    the host: 159-176 us for ops of 80-85 in one probe, and 1.5-2x in 8 of 21 MLA rows of one day's
-    runs (deploy/benchmarks.md)."""
+    so the start event never fires while the host is still launching: an op whose host time exceeds
+    its GPU time plus the flush's would otherwise be timed with the host's launch in it.
+    Figures: docs/benchmarks.md, "Figures formerly in code"."""
     if flush == "memset":
         return do_bench(fn, warmup=10, rep=rep, return_mode="median")
     buf, out = _flush_buffers()

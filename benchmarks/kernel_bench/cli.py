@@ -1,19 +1,20 @@
 """Check and time the kernels.
 
-    python -m kernels.bench --check            # every kernel vs its reference (CPU: set TRITON_INTERPRET=1)
-    python -m kernels.bench                    # GPU: time the issue's target shapes, print a table per kernel
-    python -m kernels.bench --sweep [KERNEL..] # GPU: also time candidate tile configs / split counts
-    python -m kernels.bench --json out.json    # write every number too
-    python -m kernels.bench --engine [--preset qwen3-30b-a3b|tiny] [--layers N] [--batch 64] [--context 4096]
-        [--prefill-tokens 8192] [--new-tokens 32] [--zos both|on|off] [--no-hf]
-                                               # a whole engine decode step (ZOS on/off: step time, GPU idle
-                                               # between steps, bytes touched / step time / copy bandwidth),
-                                               # a prefill, and tokens/s vs transformers generate on the same
-                                               # random weights (kernels/bench_engine.py; CPU: --preset tiny)
+    python -m benchmarks.kernel_bench --check            # every kernel vs its reference (CPU: TRITON_INTERPRET=1)
+    python -m benchmarks.kernel_bench                    # GPU: time the target shapes, print a table per kernel
+    python -m benchmarks.kernel_bench --sweep [KERNEL..] # GPU: also time candidate tile configs / split counts
+    python -m benchmarks.kernel_bench --json out.json    # write every number too
+    python -m benchmarks.kernel_bench --engine [--preset qwen3-30b-a3b|tiny] [--layers N] [--batch 64]
+        [--context 4096] [--prefill-tokens 8192] [--new-tokens 32] [--zos both|on|off] [--no-hf]
+                                                         # a whole engine decode step (ZOS on/off: step
+                                                         # time, GPU idle between steps, bytes touched /
+                                                         # step time / copy bandwidth), a prefill, and
+                                                         # tokens/s vs transformers generate on the same
+                                                         # random weights (engine_run.py; CPU: --preset tiny)
 
 Timings are the median of three medians of CUDA-event timings, each run after L2 is emptied by
 reading a 256 MB buffer (`--flush memset`: `triton.testing.do_bench`'s zeroing, which leaves dirty
-lines for the op to write back; see `bench_timing.cold_ms`), after 250 ms of warm-up.
+lines for the op to write back; see `timing.cold_ms`), after 250 ms of warm-up.
 Floors: bytes that must move / measured copy bandwidth, FLOPs / measured bf16 matmul rate;
 `floor/time` is the fraction of the better of the two limits reached.
 """
@@ -30,7 +31,7 @@ import torch
 
 
 def _check(args: argparse.Namespace) -> int:
-    from kernels.bench_checks import run_checks
+    from benchmarks.kernel_bench.checks import run_checks
 
     cuda = torch.cuda.is_available() and not args.cpu
     if not cuda and os.environ.get("TRITON_INTERPRET") != "1":
@@ -51,7 +52,7 @@ def _check(args: argparse.Namespace) -> int:
 
 
 def _time(args: argparse.Namespace) -> int:
-    from kernels.bench_timing import run_timings
+    from benchmarks.kernel_bench.timing import run_timings
 
     if not torch.cuda.is_available():
         print("timings need a GPU; on CPU run --check with TRITON_INTERPRET=1", file=sys.stderr)
@@ -65,15 +66,15 @@ def _time(args: argparse.Namespace) -> int:
 
 
 def _engine(args: argparse.Namespace) -> int:
-    from kernels.bench_engine import main as engine_main
+    from benchmarks.kernel_bench.engine_run import main as engine_main
 
     return engine_main(args)
 
 
 def main(argv: list[str] | None = None) -> int:
-    from kernels.bench_engine import add_arguments as add_engine_arguments
+    from benchmarks.kernel_bench.engine_spec import add_arguments as add_engine_arguments
 
-    p = argparse.ArgumentParser(prog="python -m kernels.bench", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.kernel_bench", description=__doc__.split("\n")[0])
     p.add_argument("--engine", action="store_true", help="time whole engine steps (decode, prefill) and generate")
     p.add_argument("--check", action="store_true", help="compare every kernel with its reference")
     p.add_argument("--sweep", nargs="*", help="time the candidate tile configs too (of these kernels; none named: all)")
@@ -88,7 +89,3 @@ def main(argv: list[str] | None = None) -> int:
     if args.engine:
         return _engine(args)
     return _check(args) if args.check else _time(args)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,4 +1,4 @@
-"""`python -m kernels.bench --check`: every Triton kernel against its torch reference.
+"""`python -m benchmarks.kernel_bench --check`: every Triton kernel against its torch reference.
 
 Inputs are random with odd sizes (no dimension a multiple of a kernel's tile), block tables
 are shuffled and padded past the longest context. Attention and MoE references run on fp32

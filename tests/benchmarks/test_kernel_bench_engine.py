@@ -1,4 +1,4 @@
-"""`python -m kernels.bench --engine` on CPU: the tiny preset end to end, its numbers checked against
+"""`python -m benchmarks.kernel_bench --engine` on CPU: the tiny preset end to end, its numbers checked against
 the measured values they are made of and the bytes per decode step against a hand count."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels import bench, bench_engine
-from kernels.bench_engine import PRESETS
+from benchmarks.kernel_bench import cli, engine_build, engine_env, engine_gpu_time, engine_spec, engine_transformers
+from benchmarks.kernel_bench.engine_spec import PRESETS
 
 BATCH, CONTEXT, PREFILL, NEW = 2, 16, 32, 4
 
@@ -26,7 +26,7 @@ def run(tmp_path_factory) -> tuple[dict, str]:
             "--prefill-tokens", str(PREFILL), "--new-tokens", str(NEW), "--json", str(out)]  # fmt: skip
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
-        assert bench.main(argv) == 0
+        assert cli.main(argv) == 0
     return json.loads(out.read_text()), printed.getvalue()
 
 
@@ -70,7 +70,7 @@ def test_decode_numbers_follow_from_the_measurements(run) -> None:
     assert hf_tok_s == pytest.approx(BATCH * NEW / res["transformers"]["e2e_s"])
     for r in res["decode"]:
         step = r["step_ms_median"] / 1e3
-        assert step > 0 and len(r["step_ms"]) >= bench_engine.MIN_DECODE_STEPS
+        assert step > 0 and len(r["step_ms"]) >= engine_spec.MIN_DECODE_STEPS
         assert r["step_ms_median"] == pytest.approx(statistics.median(r["step_ms"]))
         assert r["decode_tok_s"] == pytest.approx(BATCH / step)
         assert CONTEXT + 1 <= r["attended_mean"] < CONTEXT + 40
@@ -86,7 +86,7 @@ def test_decode_numbers_follow_from_the_measurements(run) -> None:
 def test_prefill_numbers_follow_from_the_measurements(run) -> None:
     res, _ = run
     p = res["prefill"]
-    assert p["tokens"] == PREFILL and len(p["ms"]) == bench_engine.PREFILL_REPS
+    assert p["tokens"] == PREFILL and len(p["ms"]) == engine_spec.PREFILL_REPS
     assert p["ms_median"] == pytest.approx(statistics.median(p["ms"])) and p["ms_median"] > 0
     assert p["tok_s"] == pytest.approx(PREFILL / (p["ms_median"] / 1e3))
     assert p["mfu"] == pytest.approx(p["tflops"] / res["ceilings"]["matmul_TFLOPs"])
@@ -96,7 +96,7 @@ def test_prefill_numbers_follow_from_the_measurements(run) -> None:
 def test_layers_and_preset_defaults_reach_the_spec() -> None:
     args = argparse.Namespace(preset="qwen3-30b-a3b", layers=4, batch=None, context=None, prefill_tokens=None,
                               new_tokens=None, profile_steps=None, zos="on", no_hf=True, cpu=True)  # fmt: skip
-    spec = bench_engine.spec_from_args(args)
+    spec = engine_spec.spec_from_args(args)
     assert spec.hf_config["num_hidden_layers"] == 4 and spec.hf_config["num_experts"] == 128
     assert (spec.batch, spec.context, spec.prefill_tokens, spec.new_tokens) == (64, 4096, 8192, 32)
     assert spec.zos == (True,) and not spec.hf
@@ -105,8 +105,8 @@ def test_layers_and_preset_defaults_reach_the_spec() -> None:
 def test_zos_env_is_set_inside_and_restored_after(monkeypatch) -> None:
     from deepinfer_core import envs
 
-    monkeypatch.setenv(bench_engine.ZOS_ENV, "1")
-    with bench_engine.zos_env(False):
+    monkeypatch.setenv(engine_spec.ZOS_ENV, "1")
+    with engine_env.zos_env(False):
         assert not envs.DEEPINFER_ZERO_OVERHEAD_SCHEDULING
     assert envs.DEEPINFER_ZERO_OVERHEAD_SCHEDULING
 
@@ -119,9 +119,9 @@ def test_idle_is_span_minus_the_union_of_gpu_intervals() -> None:
         {"ph": "X", "cat": "cpu_op", "ts": 15.0, "dur": 100.0},  # host work: not GPU time
         {"ph": "X", "cat": "gpu_memset", "ts": 40.0, "dur": 10.0},
     ]
-    span, busy = bench_engine.merge_busy(bench_engine.gpu_intervals(trace))
+    span, busy = engine_gpu_time.merge_busy(engine_gpu_time.gpu_intervals(trace))
     assert (span, busy) == (50.0, 30.0)
-    assert bench_engine.merge_busy([]) == (0.0, 0.0)
+    assert engine_gpu_time.merge_busy([]) == (0.0, 0.0)
 
 
 def test_profiler_plumbing_runs_on_cpu() -> None:
@@ -136,8 +136,8 @@ def test_profiler_plumbing_runs_on_cpu() -> None:
             torch.randn(64, 64) @ torch.randn(64, 64)
             return []
 
-    out = bench_engine.measure_idle(Stepper(), 3, activities=[ProfilerActivity.CPU])
-    assert Stepper.calls == 3 + bench_engine.PROFILER_WARMUP
+    out = engine_gpu_time.measure_idle(Stepper(), 3, activities=[ProfilerActivity.CPU])
+    assert Stepper.calls == 3 + engine_spec.PROFILER_WARMUP
     assert out["idle_us_per_step"] is None and out["kernels"] == 0
 
 
@@ -145,13 +145,13 @@ def test_transformers_model_shares_the_engine_tensors(tmp_path: Path) -> None:
     """transformers runs on the engine model's own storage and greedy-decodes the same tokens."""
     args = argparse.Namespace(preset="tiny", layers=None, batch=2, context=12, prefill_tokens=16, new_tokens=6,
                               profile_steps=None, zos="off", no_hf=False, cpu=True)  # fmt: skip
-    spec = bench_engine.spec_from_args(args)
-    bench_engine.write_model_dir(str(tmp_path), spec.hf_config)
-    engine = bench_engine.build_engine(str(tmp_path), spec)
-    prompts = bench_engine.random_prompts(2, 12, PRESETS["tiny"]["vocab_size"], seed=3)
-    ours = bench_engine.generate_all(engine, prompts, 6, "t")
+    spec = engine_spec.spec_from_args(args)
+    engine_build.write_model_dir(str(tmp_path), spec.hf_config)
+    engine = engine_build.build_engine(str(tmp_path), spec)
+    prompts = engine_build.random_prompts(2, 12, PRESETS["tiny"]["vocab_size"], seed=3)
+    ours = engine_build.generate_all(engine, prompts, 6, "t")
     model = engine.worker.model
-    hf = bench_engine.hf_model_sharing(model, spec.hf_config, "cpu")
+    hf = engine_transformers.hf_model_sharing(model, spec.hf_config, "cpu")
     hf_w13 = hf.model.layers[0].mlp.experts.gate_up_proj
     assert hf_w13.data_ptr() == model.model.layers[0].mlp.experts.w13_weight.data_ptr()
     assert hf.lm_head.weight.data_ptr() == model.lm_head.weight.data_ptr()
@@ -169,7 +169,7 @@ def test_engine_mode_on_gpu_profiles_idle_time(tmp_path: Path) -> None:
     argv = ["--engine", "--preset", "tiny", "--batch", "4", "--context", "32", "--prefill-tokens", "64",
             "--new-tokens", "6", "--profile-steps", "4", "--json", str(out)]  # fmt: skip
     with contextlib.redirect_stdout(io.StringIO()):
-        assert bench.main(argv) == 0
+        assert cli.main(argv) == 0
     res = json.loads(out.read_text())
     assert res["dtype"] == "bfloat16" and res["routing"].startswith("measured")
     for r in res["decode"]:

@@ -1,0 +1,97 @@
+"""`HeadConfig`: what `deepinfer serve` is told, and the one source of each setting.
+
+The router's, the gateway's and the workers' configs are derived from it (`router_config()`,
+`gateway_config()`, `pool_spec()`), so a setting they share — `max_n`, the request deadline,
+the P/D hand-off's clocks, the context length — is given once.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+from services.common.limits import RequestLimits
+from services.common.workers import POOL_COLOCATED, POOL_DECODE, POOL_PREFILL
+from services.controller.controller import PoolSpec
+from services.gateway.core import GatewayConfig
+from services.router.config import RouterConfig
+from services.workers.spec import EngineSettings
+
+
+@dataclass
+class HeadConfig:
+    served_model_name: Optional[str] = None
+    """The model id clients use; None = the model directory's name."""
+    host: str = "127.0.0.1"
+    port: int = 8000
+    grpc_port: int = 50051
+    prefill: int = 1
+    decode: int = 1
+    colocated: bool = False
+    """One NORMAL engine per replica (`decode` replicas) instead of P/D pools."""
+    engine_args: EngineSettings = EngineSettings()
+    """Every engine's settings (model, sizes, the P/D clocks `pd` that the router follows too)."""
+    api_key: Optional[str] = None
+    limits: RequestLimits = RequestLimits()
+    """`max_n` and the request deadline, for the gateway and the router alike."""
+    max_concurrent_requests: int = 512
+    torch_threads: int = 1
+    gpus_per_worker: float = 0.0
+    num_cpus: Optional[int] = None
+    """CPUs Ray may schedule on this node (workers take none; set it to bound other Ray work)."""
+    ray_address: Optional[str] = None
+    """Join an existing Ray cluster instead of starting one."""
+    log_level: str = "WARNING"
+
+    @property
+    def model_path(self) -> str:
+        from deepinfer_core.builtin import TINY_MODEL_DIR
+
+        return self.engine_args.model or TINY_MODEL_DIR
+
+    @property
+    def model_name(self) -> str:
+        from deepinfer_core.builtin import TINY_MODEL_NAME
+
+        if self.served_model_name:
+            return self.served_model_name
+        model = self.engine_args.model
+        return os.path.basename(os.path.normpath(model)) if model else TINY_MODEL_NAME
+
+    @property
+    def pools(self) -> tuple[int, ...]:
+        """The pools this cluster serves from (each needs a ready worker before it is ready)."""
+        return (POOL_COLOCATED,) if self.colocated else (POOL_PREFILL, POOL_DECODE)
+
+    @property
+    def targets(self) -> dict[int, int]:
+        """Replicas per pool at start."""
+        return (
+            {POOL_COLOCATED: self.decode} if self.colocated else {POOL_PREFILL: self.prefill, POOL_DECODE: self.decode}
+        )
+
+    def max_model_len(self) -> int:
+        """The engines' context length: the one given, else the model's."""
+        if self.engine_args.max_model_len:
+            return int(self.engine_args.max_model_len)
+        from deepinfer_core.models.hf_config import load_hf_config
+
+        return int(load_hf_config(self.model_path).get("max_position_embeddings", 2048))
+
+    def router_config(self) -> RouterConfig:
+        return RouterConfig(limits=self.limits, pd=self.engine_args.pd, pools=self.pools)
+
+    def gateway_config(self) -> GatewayConfig:
+        return GatewayConfig(
+            model_name=self.model_name,
+            max_model_len=self.max_model_len(),
+            api_key=self.api_key,
+            limits=self.limits,
+            max_concurrent_requests=self.max_concurrent_requests,
+        )
+
+    def pool_spec(self) -> PoolSpec:
+        return PoolSpec(
+            self.engine_args, self.model_name, "127.0.0.1", self.torch_threads, self.gpus_per_worker, self.log_level
+        )

@@ -1,0 +1,63 @@
+"""What a worker is started with: its engine's settings and where it serves and registers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Optional
+
+from deepinfer_core.config import PDConfig
+from deepinfer_core.roles import EngineType, role_profile
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """The `EngineArgs` fields the services choose for every engine they start; the role
+    (engine type, what it demands) is added per pool. None leaves `EngineArgs`' default.
+
+    Plain values, not an `EngineArgs`: building one applies role defaults to the process
+    environment, which the head (whose environment Ray's workers inherit) must not do.
+    """
+
+    model: Optional[str] = None
+    """Hugging Face model directory; None = the embedded tiny model."""
+    tokenizer: Optional[str] = None
+    """Tokenizer directory; None = the model's."""
+    dtype: Optional[str] = None
+    device: Optional[str] = None
+    max_model_len: Optional[int] = None
+    block_size: Optional[int] = None
+    num_gpu_blocks: Optional[int] = None
+    """KV blocks per engine; None = measured."""
+    max_num_seqs: Optional[int] = None
+    pd: PDConfig = PDConfig()
+    """The hand-off's clocks: the engines' and the router's (`RouterConfig.pd`) are this one."""
+
+    def to_engine_args(self, engine_type: EngineType):
+        """The `EngineArgs` of an engine of `engine_type` (built in the worker's own process)."""
+        from deepinfer_core.engine_args import EngineArgs  # torch: only where an engine runs
+
+        chosen = {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
+        if role_profile(engine_type).requires_stop_preempted_request:
+            chosen["stop_preempted_request"] = True
+        return EngineArgs(engine_type=engine_type, **chosen)
+
+
+@dataclass
+class WorkerSpec:
+    worker_id: str
+    pool: int
+    """POOL_PREFILL, POOL_DECODE or POOL_COLOCATED."""
+    engine_args: EngineSettings = field(default_factory=EngineSettings)
+    model_name: str = ""
+    """The model id clients use, reported at registration."""
+    host: str = "127.0.0.1"
+    port: int = 0
+    """gRPC port; 0 = any free port."""
+    router_address: str = ""
+    """Register here once serving ("" = don't)."""
+    torch_threads: int = 0
+    """torch intra-op threads for the engine; 0 = torch's default."""
+    metrics: bool = True
+    """Serve /metrics on a free port."""
+    log_level: str = "WARNING"
+    """Logging of the worker's process, when it is a Ray actor of its own."""

@@ -1,5 +1,5 @@
 """Drive one workload with zero-overhead scheduling off and on and compare what the requests got
-(tests/core/test_zero_overhead_scheduling.py; deepinfer_core/engine/overlap.py)."""
+(tests/engine/test_zero_overhead_scheduling.py; deepinfer_core/engine/overlap.py)."""
 
 from __future__ import annotations
 

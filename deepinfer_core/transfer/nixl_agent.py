@@ -5,10 +5,10 @@ The cache is one region `[num_layers, num_blocks_total, *block]`, so (layer, blo
 request's blocks across all layers, or across a range of layers (a PE sends the last chunk in
 layer groups as the forward writes them). Descriptor lists of every (layer, block) region are
 prepared once and a transfer is made from indices into them (NIXL merges neighbouring
-regions): building a request from fresh descriptors costs ~7 us per descriptor on the
+regions): building a request from fresh descriptors costs microseconds per descriptor on the
 posting thread, which fragmented block tables would put on every hand-off. Preparing a list
-costs ~0.1-0.2 s at production cache sizes (~1.8 M layer-block regions), so neither list is
-built on a request's path: the local one when a writer starts (`prepare_writes`), a peer's
+takes a noticeable fraction of a second at production cache sizes (millions of layer-block
+regions), so neither list is built on a request's path: the local one when a writer starts (`prepare_writes`), a peer's
 when the peer is added with its `KVRegion` (`add_peer(..., region)` at registration time).
 A write to a peer region not announced that way (a CE registered without its region, an
 older router) prepares the list then, once. Peers are added (and connected) once and cached:
@@ -18,13 +18,13 @@ Progress. Polling a transfer or the notices drives the agent's UCX worker on the
 thread, and the engines poll between steps (`progress()`). A receiving agent keeps NIXL's
 progress thread: it sleeps on the worker's event descriptor and answers a writer's completion
 handshake and notices at once, which a poll between the receiver's steps would delay by up to
-a turn (measured: a 256 MiB WRITE took 2.2 ms instead of 1.0 ms with an idle receiver polling
-every 2 ms). A sending agent of a GPU cache runs without one, since it polls while it waits
-for its writes anyway, and the thread competes with that: two H200s, UCX's CUDA-IPC transport,
-with NIXL's thread spinning in the sender (its Python default) a device sync after a finished
-1 GiB WRITE still waited ~1.4 ms, and back-to-back WRITEs took 3.8-4.0 ms against 2.77 ms
-without the thread (a peer-to-peer `copy_`: 2.75-2.87 ms). With the pause the engines set the cost is
-within run-to-run noise, but nothing is gained by the thread there.
+a turn (a large WRITE to a receiver polling between steps took about twice as long). A sending
+agent of a GPU cache runs without one, since it polls while it waits for its writes anyway, and
+the thread competes with that: with NIXL's thread spinning in the sender (its Python default),
+back-to-back WRITEs between two GPUs were markedly slower than without it, which matched a
+peer-to-peer `copy_`. With the pause the engines set the cost is within run-to-run noise, but
+nothing is gained by the thread there. The figures: docs/benchmarks.md, "Figures formerly in
+code".
 """
 
 from __future__ import annotations
@@ -84,10 +84,10 @@ class NixlKVAgent:
         self.num_blocks_total = int(kv_buffer.shape[1])
         self.progress_thread = _wants_progress_thread(self.mem_type, sends)
         if sends and self.mem_type == "VRAM":
-            # UCX's scatter-gather offload posts a write's per-layer runs as one batched copy
-            # (two H200s, 16 runs of 4 MiB: the post call took 35-90 us instead of 70-130; the
-            # bandwidth of whole hand-offs moved within run-to-run spread). NIXL reads this when
-            # the backend is made. A value the operator set wins.
+            # UCX's scatter-gather offload posts a write's per-layer runs as one batched copy: the
+            # post call is shorter, the bandwidth of whole hand-offs unchanged (docs/benchmarks.md,
+            # "Figures formerly in code"). NIXL reads this when the backend is made. A value the
+            # operator set wins.
             os.environ.setdefault("NIXL_UCX_SGL_ENABLE", "1")
         with _progress_thread_delay(envs.DEEPINFER_NIXL_PROGRESS_DELAY_US):
             config = nixl_agent_config(enable_prog_thread=self.progress_thread, backends=[backend])
@@ -205,8 +205,8 @@ class NixlKVAgent:
     ) -> PreparedWrite:
         """Make the WRITE's request without moving anything: the blocks may still be computing.
         A PE prepares its hand-offs while the forward runs and only posts them after it, which
-        takes the index building and NIXL's request set-up (35-180 us on an H200 host, 12-21 % of
-        a 64 MiB hand-off between two H200s) off time-to-first-token. `post` or `discard` it."""
+        takes the index building and NIXL's request set-up (a measurable share of a small hand-off
+        between two GPUs) off time-to-first-token. `post` or `discard` it."""
         if len(local_blocks) > len(remote_blocks):
             raise TransferError(f"{len(local_blocks)} blocks to send but only {len(remote_blocks)} reserved")
         if peer not in self._peers:
@@ -219,7 +219,7 @@ class NixlKVAgent:
         )
         local_rows = self._layer_rows(self.num_blocks_total)[rows]
         # (layer, block) -> its index in a prepared list; int32 is what nixl reads without a
-        # conversion pass (16k indices: 22 us, 41 as int64)
+        # conversion pass (int64 indices took about twice as long; docs/benchmarks.md)
         handle = self._agent.make_prepped_xfer(
             "WRITE",
             self._local_handle(),
@@ -358,9 +358,9 @@ def _progress_thread_delay(delay_us: int) -> Iterator[None]:
     """Agents made inside the block pause `delay_us` between progress-thread rounds.
 
     nixl's Python agent fixes the pause at 0: its progress thread spins, a whole core per engine
-    process even when idle (measured: 0.98 of a core on the 2-core CI machine), and two spinning
-    agents there starved the engines so much that a 1 MiB write + notice + reply took 8.0 ms
-    instead of 0.42 ms with a 100 us pause. Transfers do not wait for the thread: polling a
+    process even when idle, and two spinning agents on a small machine starved the engines so much
+    that a small write + notice + reply took many times longer than with a short pause
+    (docs/benchmarks.md, "Figures formerly in code"). Transfers do not wait for the thread: polling a
     transfer or the notices drives progress on the calling thread. The knob is a config field the
     Python wrapper does not expose, so its config class is swapped for one that keeps our value
     while the agent is built (the bindings' own class is restored on exit).

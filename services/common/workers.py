@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from deepinfer_core.engine.load import EngineLoad
 from deepinfer_core.transfer.messages import KVRegion
 
 # proto enum values, mirrored so that cores need no generated code
@@ -44,20 +45,9 @@ class WorkerInfo:
 
 
 @dataclass
-class WorkerLoad:
+class WorkerLoad(EngineLoad):
+    """The engine's load (`EngineLoad`) and what the worker around it adds."""
+
     worker_id: str = ""
-    queued_prompt_tokens: int = 0
-    running_requests: int = 0
-    waiting_requests: int = 0
-    total_kv_tokens: int = 0
-    kv_usage: float = 0.0
-    free_blocks: int = 0
-    num_blocks: int = 0
-    requests: int = 0
-    reservations: int = 0
-    prefix_queries: int = 0
-    prefix_hits: int = 0
-    kv_transfer_bytes: int = 0
-    handoffs: int = 0
     draining: bool = False
     open_streams: int = 0

@@ -1,0 +1,65 @@
+"""The head process of the service-layer benchmark: the router and the gateway (HTTP + gRPC) on
+one asyncio loop, as `deepinfer serve` runs them, without Ray and without workers of its own
+(`Head.start_front`); token-source workers register at the router address it prints.
+
+    python -m benchmarks.service_layer_head [--pd] [--max-concurrent-requests 4096]
+
+Prints one JSON line ({"http_url", "grpc_address", "router_address", "pid"}) once serving, then
+serves until its stdin closes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+
+from benchmarks.service_layer_procs import prepare_child, reply
+
+
+def head_config(args: argparse.Namespace):
+    from services.controller.serve_config import HeadConfig
+    from services.workers.spec import EngineSettings
+
+    return HeadConfig(
+        host="127.0.0.1",
+        port=0,
+        grpc_port=0,
+        colocated=not args.pd,
+        engine_args=EngineSettings(max_model_len=args.max_model_len),
+        max_concurrent_requests=args.max_concurrent_requests,
+        log_level="WARNING",
+    )
+
+
+async def serve(args: argparse.Namespace) -> None:
+    from services.controller.head import Head
+
+    head = Head(head_config(args))
+    await head.start_front()
+    reply({"http_url": head.http_url, "grpc_address": head.grpc_address, "router_address": head.router_address})
+    loop = asyncio.get_running_loop()
+    await loop.run_in_executor(None, sys.stdin.read)  # until the benchmark closes our stdin
+
+
+def main() -> None:
+    prepare_child()
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--pd", action="store_true", help="prefill and decode pools instead of the colocated one")
+    parser.add_argument("--max-model-len", type=int, default=4096)
+    parser.add_argument("--max-concurrent-requests", type=int, default=4096)
+    args = parser.parse_args()
+    from services.common.grpc_util import install_uvloop
+
+    install_uvloop()
+    try:
+        asyncio.run(serve(args))
+    except Exception as e:
+        reply({"error": f"{type(e).__name__}: {e}"})
+        raise
+    os._exit(0)  # the servers need no orderly stop: the process ends with the benchmark level
+
+
+if __name__ == "__main__":
+    main()

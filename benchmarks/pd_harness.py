@@ -88,10 +88,11 @@ class _Server:
     def reserve(self, request_id, params, prompt_token_ids, lease_s=30.0):
         return self.engine.reserve(request_id, params, prompt_token_ids, lease_s=lease_s).to_bytes()
 
-    def add_prefill(self, request_id, target_bytes, params, prompt_token_ids):
+    def add_prefill(self, request_id, target_bytes, params, prompt_token_ids, multi_modal_data=None):
         from deepinfer_core.transfer.messages import KVTarget
 
-        self.engine.add_prefill(request_id, KVTarget.from_bytes(target_bytes), params, prompt_token_ids)
+        target = KVTarget.from_bytes(target_bytes)
+        self.engine.add_prefill(request_id, target, params, prompt_token_ids, multi_modal_data=multi_modal_data)
 
     def add_request(self, request_id, params, prompt_token_ids):
         self.engine.add_request(request_id, params=params, prompt_token_ids=prompt_token_ids)
@@ -122,7 +123,23 @@ class _Server:
             "lease_expiries": getattr(self.engine, "num_lease_expiries", 0),
             "remote_lists": agent.num_remote_lists if agent is not None else 0,
             "progress_thread": agent.progress_thread if agent is not None else None,
+            "computed_prompt_tokens": getattr(self.engine, "num_computed_prompt_tokens", 0),
+            "loading": len(sched.loading),
+            "kv_store": self.kv_store_stats(),
         }
+
+    def kv_store_stats(self):
+        """The engine's KV store counters as a dict (None without a store)."""
+        stats = self.engine.kv_store_stats() if hasattr(self.engine, "kv_store_stats") else None
+        return stats.to_dict() if stats is not None else None
+
+    def kv_store_paths(self, prompt_token_ids):
+        """The entry file of each full block of a text prompt, in order (where the store keeps it)."""
+        from deepinfer_core.sequence import Sequence
+
+        store = self.engine.kv_store
+        seq = Sequence(-1, "", list(prompt_token_ids), SamplingParams())
+        return [store.tier.path_of(k) for k in store.keys(seq, len(seq) // store.block_size)]
 
     def pump(self) -> bool:
         """One loop turn of engine work; True when there was work."""
@@ -183,15 +200,31 @@ class PDPair:
         self.ce = EngineProcess(
             EngineType.COMPLETION, {**self.engine_args, "stop_preempted_request": True, **self.ce_args}
         )
-        self.pe = EngineProcess(EngineType.PROMPT, {**self.engine_args, **self.pe_args})
-        self.pe.call(
-            "connect_peer", self.ce.info["agent_name"], self.ce.info["agent_metadata"], self.ce.info["kv_region"]
-        )
+        self.pe = self._start_pe()
         self._ids = 0
 
-    def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, lease_s: float = 30.0):
+    def _start_pe(self) -> EngineProcess:
+        pe = EngineProcess(EngineType.PROMPT, {**self.engine_args, **self.pe_args})
+        pe.call("connect_peer", self.ce.info["agent_name"], self.ce.info["agent_metadata"], self.ce.info["kv_region"])
+        return pe
+
+    def restart_pe(self, **pe_args) -> None:
+        """Replace the PE with a fresh process (empty prefix cache and host pool), `pe_args` updated."""
+        self.pe.close()
+        self.pe_args = {**self.pe_args, **pe_args}
+        self.pe = self._start_pe()
+
+    def submit(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        lease_s: float = 30.0,
+        multi_modal_data: Optional[dict] = None,
+    ):
+        """`multi_modal_data`: the PE's images; `prompt_token_ids` then has each placeholder expanded."""
         target = self.ce.call("reserve", request_id, params, prompt_token_ids, lease_s)
-        self.pe.call("add_prefill", request_id, target, params, prompt_token_ids)
+        self.pe.call("add_prefill", request_id, target, params, prompt_token_ids, multi_modal_data)
 
     def generate(
         self, prompts: list[list[int]], params: SamplingParams, timeout_s: float = 300.0, lease_s: float = 30.0

@@ -210,6 +210,54 @@ class PDConfig:
             raise ValueError(f"state_copy_interval must be >= 1, got {self.state_copy_interval}")
 
 
+KV_STORE_BACKENDS = ("POSIX", "FILE")
+
+
+@dataclass(frozen=True)
+class KVStoreConfig:
+    """The KV cache store under the engine's prefix cache (`deepinfer_core/kvstore/`): L2, a host-memory
+    pool per engine, and L3, entry files under `directory` shared by every engine pointed at it.
+    Off (nothing changes) unless `directory` is set."""
+
+    directory: Optional[str] = None
+    """L3's directory (local disk, or a shared filesystem for a cluster-wide store); None: no store."""
+    l2_bytes: int = 256 * 1024 * 1024
+    """This engine's host-memory pool: staging for every save and load, and the L2 tier."""
+    l3_bytes: int = 16 * 1024 * 1024 * 1024
+    """Most bytes of entry files in `directory`, all engines together; least recently used go first."""
+    backend: str = "POSIX"
+    """"POSIX": NIXL's POSIX storage backend moves entries between the pool and the files; "FILE":
+    plain file reads and writes (the same frames and index)."""
+    save_every_blocks: int = 0
+    """CE: also save a running sequence's full blocks each time this many new ones have filled
+    (0: only when it finishes)."""
+    load_timeout_s: float = 5.0
+    """PE: a load slower than this is dropped and its blocks recomputed."""
+    join_wait_s: float = 0.02
+    """PE: how long a prefill step waits for the loads it has just started, so that their sequences
+    join this step rather than the next (a load of many blocks is far shorter than a prefill step)."""
+    namespace: str = ""
+    """Extra key of every entry: anything outside the model and its KV layout that changes KV (an
+    adapter, a deployment's revision). Engines share entries only when this is equal too."""
+
+    def __post_init__(self) -> None:
+        if self.backend not in KV_STORE_BACKENDS:
+            raise ValueError(f"unknown KV store backend {self.backend!r}; choose one of {', '.join(KV_STORE_BACKENDS)}")
+        for name in ("l2_bytes", "l3_bytes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.save_every_blocks < 0:
+            raise ValueError(f"save_every_blocks must be >= 0, got {self.save_every_blocks}")
+        if self.load_timeout_s <= 0:
+            raise ValueError(f"load_timeout_s must be > 0, got {self.load_timeout_s}")
+        if self.join_wait_s < 0:
+            raise ValueError(f"join_wait_s must be >= 0, got {self.join_wait_s}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.directory is not None
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig
@@ -220,6 +268,7 @@ class EngineConfig:
     """'cpu' or 'cuda[:N]'."""
     enforce_eager: bool = False
     pd: PDConfig = PDConfig()
+    kv_store: KVStoreConfig = KVStoreConfig()
 
     @property
     def engine_type(self) -> EngineType:

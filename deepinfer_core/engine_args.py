@@ -13,6 +13,7 @@ from deepinfer_core.builtin import TINY_MODEL_DIR
 from deepinfer_core.config import (
     CacheConfig,
     EngineConfig,
+    KVStoreConfig,
     ModelConfig,
     ParallelConfig,
     PDConfig,
@@ -70,6 +71,8 @@ class EngineArgs:
     expert_parallel_size: int = 1
     pd: Optional[PDConfig] = None
     """The P/D hand-off's timeouts and lease; None: `PDConfig()`'s defaults."""
+    kv_store: Optional[KVStoreConfig] = None
+    """The KV cache store (L2 host pool, L3 files); None: no store."""
 
     def __post_init__(self) -> None:
         if isinstance(self.engine_type, int):
@@ -147,4 +150,5 @@ class EngineArgs:
             device=device,
             enforce_eager=self.enforce_eager or envs.DEEPINFER_ENFORCE_EAGER,
             pd=self.pd or PDConfig(),
+            kv_store=self.kv_store or KVStoreConfig(),
         )

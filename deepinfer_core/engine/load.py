@@ -29,3 +29,24 @@ class EngineLoad:
     """PE: bytes its KV writes have sent."""
     handoffs: int = 0
     """CE: hand-offs received."""
+    computed_prompt_tokens: int = 0
+    """PE: prompt tokens its prefill steps computed (every other prompt token came from a cache tier)."""
+    # The KV store's counters (`kvstore.stats.KVStoreStats`; all 0 without a store). Tokens are prompt
+    # tokens a PE looked up past its own prefix cache; bytes per tier, L2 the host pool, L3 the files.
+    kv_store_hit_tokens_l2: int = 0
+    kv_store_hit_tokens_l3: int = 0
+    kv_store_miss_tokens: int = 0
+    kv_store_load_bytes_l2: int = 0
+    kv_store_load_bytes_l3: int = 0
+    kv_store_saved_bytes: int = 0
+    """CE: bytes written to the store's files."""
+    kv_store_load_seconds: float = 0.0
+    kv_store_load_failures: int = 0
+    """Loads dropped (I/O error, entry gone, past the deadline) and recomputed."""
+    kv_store_corrupt_entries: int = 0
+    kv_store_evictions_l2: int = 0
+    kv_store_evictions_l3: int = 0
+    kv_store_l2_bytes: int = 0
+    """Bytes held in the host pool now."""
+    kv_store_l3_bytes: int = 0
+    """Bytes of entry files in the store's directory (all engines), as last seen."""

@@ -9,6 +9,11 @@ an error. Its blocks are not reused at once: a PE may still be writing into them
 stay quarantined until that PE's notice arrives (the write is over) or a grace period
 (longer than any PE may write past the deadline) has passed. Rejection happens before
 enqueue, so nothing in the running scheduler is ever rolled back.
+
+With a KV store (`KVStoreConfig`), `do_save_kvcache` hands the full blocks of finished sequences
+(and, by `save_every_blocks`, of long-running ones) to the store (`kvstore/saver.py`): they are
+copied to the store's host pool (on a GPU by a copy beside the next steps, the blocks held until
+it has run) and written to files by the store's I/O thread; the step never waits for a file.
 """
 
 from __future__ import annotations
@@ -21,6 +26,9 @@ from typing import Optional
 from deepinfer_core.engine.llm_engine import LLMEngine
 from deepinfer_core.engine.load import EngineLoad
 from deepinfer_core.errors import CapacityError, InvalidRequestError
+from deepinfer_core.kvstore import KVStore, KVStoreStats, open_store
+from deepinfer_core.kvstore.keys import placeholders_from_spans
+from deepinfer_core.kvstore.saver import StoreSaver
 from deepinfer_core.outputs import RequestOutput
 from deepinfer_core.roles import EngineType
 from deepinfer_core.sampling.sampler import replay_draws
@@ -40,6 +48,9 @@ class Reservation:
 
 
 class CompletionEngine(LLMEngine):
+    kv_store: Optional[KVStore] = None
+    """L2 + L3 of the KV cache system (None: not configured)."""
+
     def __init__(self, config, *args, **kwargs):
         if config.engine_type != EngineType.COMPLETION:
             raise ValueError(f"CompletionEngine needs engine_type=COMPLETION, got {config.engine_type.name}")
@@ -56,6 +67,12 @@ class CompletionEngine(LLMEngine):
         self.quarantine: dict[str, Reservation] = {}  # expired leases whose blocks may still be written
         self.num_handoffs = 0
         self.num_lease_expiries = 0
+        self.kv_store = open_store(self.config, self.cache, self.layout, self.name, self.scheduler.block_manager)
+        self.kv_saver = None
+        if self.kv_store is not None:
+            image_token = self.config.model.hf_config.get("image_token_index")
+            every = self.config.kv_store.save_every_blocks
+            self.kv_saver = StoreSaver(self.kv_store, self.config.cache.block_size, every, image_token)
 
     # ---- reservations ----------------------------------------------------------------------
     def reserve(
@@ -105,6 +122,8 @@ class CompletionEngine(LLMEngine):
 
     def poll_handoffs(self) -> list[RequestOutput]:
         """Apply hand-off notices and expire leases; call between steps."""
+        if self.kv_store is not None:
+            self.kv_store.poll()
         outputs = []
         for _, message in self.agent.get_notifs():
             try:
@@ -134,7 +153,12 @@ class CompletionEngine(LLMEngine):
         load.total_kv_tokens += sum(len(r.seq) for r in self.reservations.values())
         load.reservations = len(self.reservations)
         load.handoffs = self.num_handoffs
+        if self.kv_store is not None:
+            self.kv_store.stats().add_to(load)
         return load
+
+    def kv_store_stats(self) -> Optional[KVStoreStats]:
+        return self.kv_store.stats() if self.kv_store is not None else None
 
     def _on_notice(self, notice: HandoffNotice) -> Optional[RequestOutput]:
         late = self.quarantine.pop(notice.request_id, None)
@@ -152,12 +176,17 @@ class CompletionEngine(LLMEngine):
             self.reservations[notice.request_id] = reservation
             return self._fail(notice.request_id, f"received KV for {notice.num_computed_tokens} of {len(seq)} tokens")
         seq.num_cached_tokens = notice.num_computed_tokens
+        seq.num_prefix_hit_tokens = notice.num_cached_tokens  # reported as the request's cached tokens
+        if notice.image_spans:  # the images' identities, so the blocks are keyed as on the PE
+            seq.mm_placeholders = placeholders_from_spans(notice.image_spans)
         self.scheduler.commit_computed(seq)
         state = self.requests[notice.request_id]
         self._append_token(state, seq, notice.first_token, notice.first_logprob, notice.first_top_logprobs)
         replay_draws(seq.generator, int(self.config.model.hf_config["vocab_size"]), seq.params)  # the PE's draw
         self.num_handoffs += 1
         if seq.is_finished:  # the first token already ended it (EOS, max_tokens=1, stop)
+            if self.kv_saver is not None:  # it never reaches a step's finished list
+                self.kv_saver.on_step([], [seq])
             self.scheduler.remove_seq(seq)
             self.scheduler.free_seq(seq)
         else:
@@ -191,5 +220,9 @@ class CompletionEngine(LLMEngine):
         return seq.num_cached_tokens - seq.last_copy_state_token_idx >= self.state_copy_interval
 
     def do_save_kvcache(self, scheduled: list[Sequence], finished: list[Sequence]) -> None:
-        """Where finished blocks go to the KV store; no store is configured, so nothing to save."""
-        return None
+        """Hand the new full blocks of finished (and, by the config, long-running) sequences to the
+        KV store; copies to host memory, does not wait for any file. Nothing without a store."""
+        if self.kv_saver is None:
+            return
+        self.kv_store.poll()
+        self.kv_saver.on_step(scheduled, finished)

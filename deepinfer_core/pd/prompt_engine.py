@@ -12,8 +12,10 @@ Hook bodies (SPEC §2, §4):
   forward has written its layers' KV (per-layer events), while the later layers compute;
 - pe_do_save_kvcache: wait for each finished prompt's writes (or an error / timeout) and
   record them; reap chunk writes that have already landed;
-- send_processed_prompts: notify each CE (first token, computed length), drop the
-  sequence from the scheduler, and only then free the PE's blocks.
+- send_processed_prompts: notify each CE (first token, computed length, tokens not computed),
+  drop the sequence from the scheduler, and only then free the PE's blocks.
+With a KV store (`KVStoreConfig`), admission first loads the longest stored prefix past the prefix
+cache (`kvstore/loader.py`, from the scheduler); the hand-off sends those blocks like the rest.
 A PE never calls finalize_seq: its blocks are in flight until the hand-off completes, and
 an abort waits for a chunk write in flight before the blocks are freed.
 """
@@ -30,6 +32,10 @@ from deepinfer_core.engine.handoff_result import HandoffResult
 from deepinfer_core.engine.llm_engine import LLMEngine
 from deepinfer_core.engine.load import EngineLoad
 from deepinfer_core.errors import InvalidRequestError, KVTargetRejected, TransferError
+from deepinfer_core.kvstore import KVStore, KVStoreStats, open_store
+from deepinfer_core.kvstore.keys import image_spans
+from deepinfer_core.kvstore.loader import StoreLoader
+from deepinfer_core.kvstore.probe import PrefixProbe, probe_prefix
 from deepinfer_core.roles import EngineType
 from deepinfer_core.sampling_params import SamplingParams
 from deepinfer_core.scheduler.outputs import SchedulerOutputs
@@ -60,6 +66,9 @@ class _Pending:
 
 
 class PromptEngine(LLMEngine):
+    kv_store: Optional[KVStore] = None
+    """L2 + L3 of the KV cache system (None: not configured)."""
+
     def __init__(self, config, *args, **kwargs):
         if config.engine_type != EngineType.PROMPT:
             raise ValueError(f"PromptEngine needs engine_type=PROMPT, got {config.engine_type.name}")
@@ -79,6 +88,12 @@ class PromptEngine(LLMEngine):
         self._inflight: list[_Pending] = []
         self._done: list[_Pending] = []
         self.handoff_results: list[HandoffResult] = []
+        self.num_computed_prompt_tokens = 0
+        self.kv_store = open_store(self.config, self.cache, self.layout, self.name)
+        if self.kv_store is not None:
+            store = self.config.kv_store
+            loader = StoreLoader(self.kv_store, self.config.cache.block_size, store.load_timeout_s, store.join_wait_s)
+            self.scheduler.kv_loader = loader
 
     def set_layer_groups(self, groups: int) -> None:
         """Send each finished prompt's KV in `groups` layer groups (1: one write after the forward)."""
@@ -109,8 +124,10 @@ class PromptEngine(LLMEngine):
         params: Optional[SamplingParams] = None,
         prompt_token_ids: Optional[list[int]] = None,
         prompt: Optional[str] = None,
+        multi_modal_data: Optional[dict] = None,
     ) -> Sequence:
-        """Admit a request whose KV goes to `target` (a CE's reservation).
+        """Admit a request whose KV goes to `target` (a CE's reservation). With images, the target
+        is for the prompt with its placeholders expanded (what the router reserves).
 
         Raises:
             KVTargetRejected: the target's KV layout differs, its lease has expired, or it reserves
@@ -129,7 +146,7 @@ class PromptEngine(LLMEngine):
             raise KVTargetRejected(f"the KV reservation for {request_id!r} has expired")
         first = params.clone()
         first.max_tokens, first.min_tokens = 1, min(params.min_tokens, 1)
-        seq = self.add_request(request_id, prompt, first, prompt_token_ids)
+        seq = self.add_request(request_id, prompt, first, prompt_token_ids, multi_modal_data=multi_modal_data)
         needed = self.scheduler.block_manager.blocks_needed(len(seq))
         if len(target.block_ids) < needed or target.num_prompt_tokens != len(seq):
             self.abort_request(request_id)
@@ -160,6 +177,7 @@ class PromptEngine(LLMEngine):
     # ---- hooks ----------------------------------------------------------------------------
     def post_schedule(self, out: SchedulerOutputs) -> None:
         self._handoff, self._chunks = [], []
+        self.num_computed_prompt_tokens += sum(out.num_new_tokens)
         for i, seq in enumerate(out.scheduled_seqs):
             if out.samples(i):
                 self._handoff.append(seq)
@@ -310,6 +328,8 @@ class PromptEngine(LLMEngine):
             first_logprob=seq.output_logprobs[0] if ok and seq.output_logprobs else None,
             first_top_logprobs=seq.output_top_logprobs[0] if ok and seq.output_top_logprobs else None,
             error=pending.error,
+            num_cached_tokens=seq.num_prefix_hit_tokens if ok else 0,
+            image_spans=image_spans(seq) if ok else None,
         )
         try:
             self.agent.send_notif(target.engine_id, notice.to_bytes())
@@ -337,6 +357,8 @@ class PromptEngine(LLMEngine):
         """Drive the transfer plane between steps (a PE's notices must leave even while it idles);
         a PE has no outputs to report here, its hand-offs come from `pop_handoff_results`."""
         self.agent.progress()
+        if self.kv_store is not None:
+            self.kv_store.poll()
         return []
 
     def pop_handoff_results(self) -> list[HandoffResult]:
@@ -347,7 +369,22 @@ class PromptEngine(LLMEngine):
         load = super().load()
         load.requests += len(self._inflight) + len(self._done)  # handed off, not yet reported
         load.kv_transfer_bytes = self.agent.bytes_sent
+        load.computed_prompt_tokens = self.num_computed_prompt_tokens
+        loading = self.scheduler.loading
+        load.waiting_requests += len(loading)
+        load.queued_prompt_tokens += sum(s.num_uncomputed_tokens for s in loading)
+        if self.kv_store is not None:
+            self.kv_store.stats().add_to(load)
         return load
+
+    def kv_store_stats(self) -> Optional[KVStoreStats]:
+        return self.kv_store.stats() if self.kv_store is not None else None
+
+    def probe_prefix(
+        self, prompt_token_ids: list[int], image_spans: Optional[list[tuple[int, int, int]]] = None
+    ) -> PrefixProbe:
+        """Prompt tokens this PE would take from its prefix cache and the store (for routing)."""
+        return probe_prefix(self.scheduler.block_manager, self.kv_store, prompt_token_ids, image_spans)
 
     def has_unfinished_requests(self) -> bool:
         return super().has_unfinished_requests() or bool(self._inflight or self._done)

@@ -27,6 +27,17 @@ def block_hash(parent: Optional[int], tokens: Seq[int]) -> int:
     return int.from_bytes(h.digest(), "little", signed=True)
 
 
+def chain_hashes(seq: Sequence, block_size: int, num_blocks: int) -> list[int]:
+    """Chain hashes of `seq`'s first `num_blocks` full blocks; those it has committed are reused.
+    Equal on every engine for equal tokens and images (a KV store's keys start here)."""
+    hashes = list(seq.block_hashes[:num_blocks])
+    parent = hashes[-1] if hashes else None
+    for i in range(len(hashes), num_blocks):
+        parent = block_hash(parent, seq.hash_slice(i * block_size, (i + 1) * block_size))
+        hashes.append(parent)
+    return hashes
+
+
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
         if num_blocks < 1:
@@ -83,13 +94,13 @@ class BlockManager:
                 self._free.append(block)
 
     # ---- prefix cache ---------------------------------------------------------------
+    def num_prompt_blocks(self, seq: Sequence) -> int:
+        """Full blocks before the last token (which always needs computing): what a prefix can cover."""
+        return (len(seq) - 1) // self.block_size
+
     def _prompt_hashes(self, seq: Sequence) -> list[int]:
-        """Hashes of the full blocks before the last token (which always needs computing)."""
-        hashes, parent = [], None
-        for i in range((len(seq) - 1) // self.block_size):
-            parent = block_hash(parent, seq.hash_slice(i * self.block_size, (i + 1) * self.block_size))
-            hashes.append(parent)
-        return hashes
+        """Hashes of the full blocks before the last token."""
+        return chain_hashes(seq, self.block_size, self.num_prompt_blocks(seq))
 
     def _cached_prefix(self, hashes: list[int]) -> list[int]:
         blocks = []
@@ -99,6 +110,10 @@ class BlockManager:
                 break
             blocks.append(block)
         return blocks
+
+    def count_cached_prefix(self, seq: Sequence) -> int:
+        """Full blocks of `seq`'s prompt the prefix cache holds now (a read: nothing taken or counted)."""
+        return len(self._cached_prefix(self._prompt_hashes(seq))) if self.enable_prefix_caching else 0
 
     # ---- sequences ----------------------------------------------------------------------
     def can_allocate(self, seq: Sequence) -> bool:
@@ -125,11 +140,16 @@ class BlockManager:
 
     def adopt_blocks(self, seq: Sequence, blocks: list[int]) -> None:
         """`seq` becomes one more owner of existing blocks (forks share their parent's)."""
+        self.hold(blocks)
+        seq.block_table = list(blocks)
+
+    def hold(self, blocks: list[int]) -> None:
+        """One more owner of allocated blocks (`release_block` each to let go): a fork, or a copy
+        still reading them (a KV store's save)."""
         for block in blocks:
             if self.ref_counts[block] <= 0:
                 raise RuntimeError(f"cannot share KV block {block}: it is not allocated")
             self.ref_counts[block] += 1
-        seq.block_table = list(blocks)
 
     def can_append_slot(self, seq: Sequence, num_tokens: int = 1) -> bool:
         need = self.blocks_needed(len(seq) + num_tokens - 1) - len(seq.block_table)

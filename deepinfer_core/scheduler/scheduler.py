@@ -4,6 +4,8 @@
 - prompted: sequences whose prefix KV is complete (`num_cached_tokens == len - 1`),
   e.g. handed off by a PE or forked; they join `running` at the next decode step.
 - running: decoding sequences.
+- loading: new sequences whose stored prefix is being read from the KV store (`kv_loader`, a PE
+  with a store); they return to the head of `waiting` with that prefix in their blocks.
 
 `_schedule()` switches on the role (SPEC §3). NORMAL engines with data parallelism vote
 on the step kind so every rank takes the same kind (see `dp_vote.py`).
@@ -14,7 +16,7 @@ from __future__ import annotations
 import copy
 import itertools
 from collections import deque
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from deepinfer_core.config import CacheConfig, SchedulerConfig
 from deepinfer_core.roles import EngineType, role_profile
@@ -24,6 +26,12 @@ from deepinfer_core.scheduler.dp_vote import DPVote
 from deepinfer_core.scheduler.outputs import SchedulerOutputs
 from deepinfer_core.scheduler.state_slots import StateSlots
 from deepinfer_core.sequence import Sequence, SequenceStatus
+
+if TYPE_CHECKING:
+    from deepinfer_core.kvstore.loader import StoreLoader
+
+_LOAD_WAIT_S = 0.005
+"""With nothing else to prefill, how long a schedule waits for a store load before an empty step."""
 
 
 class Scheduler:
@@ -48,6 +56,9 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.prompted: deque[tuple[Sequence, bool]] = deque()  # (seq, forked)
         self.running: list[Sequence] = []
+        self.loading: list[Sequence] = []
+        self.kv_loader: Optional[StoreLoader] = None
+        """Loads stored prefixes at admission (set by an engine with a KV store)."""
         self._finished: list[Sequence] = []  # ended since the last schedule; released next step
         self._ids = itertools.count(1 << 32)  # ids for forks; requests bring their own
         self.decode_step = 0  # decode steps since the last prefill step (DP vote points)
@@ -66,11 +77,11 @@ class Scheduler:
         self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.prompted or self.running or self._finished)
+        return bool(self.waiting or self.prompted or self.running or self._finished or self.loading)
 
     @property
     def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.prompted) + len(self.running)
+        return len(self.waiting) + len(self.prompted) + len(self.running) + len(self.loading)
 
     # ---- the step ----------------------------------------------------------------------
     def schedule(self) -> SchedulerOutputs:
@@ -103,16 +114,28 @@ class Scheduler:
         return bool(self.waiting) and self.block_manager.usage <= self.config.prefill_kv_watermark
 
     def _schedule_prefill(self) -> Optional[SchedulerOutputs]:
-        budget = self.config.max_num_batched_tokens
-        scheduled, num_new, ignored = [], [], []
-        num_seqs = len(self.running)
+        self._admit_loaded()
+        out = SchedulerOutputs(prompt_run=True)
+        started, chunked = self._pick_prefills(out)
+        if started and not chunked:  # a short wait lets the loads just started join this step
+            self._admit_loaded(wait_s=self.kv_loader.join_wait_s)
+            self._pick_prefills(out)
+        if not self.role.empty_prefill_returns_output and not out.scheduled_seqs and not out.ignored_seqs:
+            return None  # NORMAL: let _schedule fall through to decode
+        return out
+
+    def _pick_prefills(self, out: SchedulerOutputs) -> tuple[int, bool]:
+        """Take sequences from the head of `waiting` into `out` within the step's token budget.
+        Returns (stored-prefix loads started, whether a chunked prompt ended the pick)."""
+        budget = self.config.max_num_batched_tokens - out.num_batched_tokens
+        num_seqs, started = len(self.running), 0
         while self.waiting and num_seqs < self.config.max_num_seqs and budget > 0:
             seq = self.waiting[0]
             if len(seq) > self.config.prompt_limit and not seq.output_token_ids:
                 self.waiting.popleft()
                 self._finish(seq, SequenceStatus.FINISHED_IGNORED)
                 seq.error = f"prompt of {len(seq)} tokens exceeds the limit of {self.config.prompt_limit}"
-                ignored.append(seq)
+                out.ignored_seqs.append(seq)
                 continue
             if not seq.block_table:
                 if not self.block_manager.can_allocate(seq) or not self.state_slots.can_allocate():
@@ -120,6 +143,11 @@ class Scheduler:
                 self.block_manager.allocate(seq)
                 if seq.state_id < 0:
                     seq.state_id = self.state_slots.allocate()
+                if self.kv_loader is not None and self.kv_loader.start(seq):
+                    self.waiting.popleft()
+                    self.loading.append(seq)
+                    started += 1
+                    continue
             n = seq.num_uncomputed_tokens
             is_chunked = n > budget
             if is_chunked and not self.config.chunked_prefill:
@@ -130,22 +158,26 @@ class Scheduler:
                 seq.status = SequenceStatus.RUNNING
                 self.running.append(seq)
                 num_seqs += 1
-            scheduled.append(seq)
-            num_new.append(n)
+            out.scheduled_seqs.append(seq)
+            out.num_new_tokens.append(n)
+            out.num_batched_tokens += n
             budget -= n
             if is_chunked:
                 # NORMAL: leave the rest of the budget alone, a decode step follows soon.
                 # PROMPT: the chunked request is at the head of waiting; nothing else fits.
-                break
-        if not self.role.empty_prefill_returns_output and not scheduled and not ignored:
-            return None  # NORMAL: let _schedule fall through to decode
-        return SchedulerOutputs(
-            prompt_run=True,
-            scheduled_seqs=scheduled,
-            num_new_tokens=num_new,
-            ignored_seqs=ignored,
-            num_batched_tokens=self.config.max_num_batched_tokens - budget,
-        )
+                return started, True
+        return started, False
+
+    def _admit_loaded(self, wait_s: Optional[float] = None) -> None:
+        """Loads that ended put their sequences back at the head of `waiting`, in arrival order.
+        `wait_s`: how long to wait for one to end (default: a moment when nothing else waits)."""
+        if not self.loading:
+            return
+        if wait_s is None:
+            wait_s = 0.0 if self.waiting else _LOAD_WAIT_S
+        for seq in reversed(self.kv_loader.poll(wait_s=wait_s)):
+            self.loading.remove(seq)
+            self.waiting.appendleft(seq)
 
     def _schedule_decode(self) -> SchedulerOutputs:
         out = SchedulerOutputs(prompt_run=False)
@@ -324,6 +356,12 @@ class Scheduler:
     def abort_seq(self, request_id: str) -> list[Sequence]:
         """End every sequence of a request. Queued ones free now; running ones next step."""
         aborted = []
+        for seq in [s for s in self.loading if s.request_id == request_id]:
+            self.loading.remove(seq)
+            self.kv_loader.cancel(seq)
+            seq.status = SequenceStatus.FINISHED_ABORTED
+            self.free_seq(seq)
+            aborted.append(seq)
         for seq in [s for s in self.waiting if s.request_id == request_id]:
             self.waiting.remove(seq)
             seq.status = SequenceStatus.FINISHED_ABORTED

@@ -101,11 +101,19 @@ class HandoffNotice:
     first_logprob: Optional[float] = None
     first_top_logprobs: Optional[dict[int, float]] = None
     error: Optional[str] = None
+    num_cached_tokens: int = 0
+    """Prompt tokens the PE did not compute (its prefix cache, the KV store): the request's cached tokens."""
+    image_spans: Optional[list[tuple[int, int, int]]] = None
+    """(offset, length, content hash) of the prompt's images: the CE keys the blocks it saves to the
+    KV store with them, as the PE did."""
 
     def to_bytes(self) -> bytes:
         obj = asdict(self)
         if self.first_top_logprobs is not None:
             obj["first_top_logprobs"] = {str(k): v for k, v in self.first_top_logprobs.items()}
+        for name in ("num_cached_tokens", "image_spans"):  # left out when unset: the notice reads as before
+            if not obj[name]:
+                del obj[name]
         return _dump("handoff", obj)
 
     @classmethod
@@ -113,4 +121,6 @@ class HandoffNotice:
         obj = _load("handoff", data)
         if obj.get("first_top_logprobs") is not None:
             obj["first_top_logprobs"] = {int(k): v for k, v in obj["first_top_logprobs"].items()}
+        if obj.get("image_spans") is not None:
+            obj["image_spans"] = [tuple(int(x) for x in span) for span in obj["image_spans"]]
         return cls(**obj)

@@ -6,7 +6,7 @@ import argparse
 import logging
 import sys
 
-from services.cli import generate, scale, serve, status
+from services.cli import bench, generate, scale, serve, status
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -17,6 +17,7 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_parser(sub)
     scale.add_parser(sub)
     status.add_parser(sub)
+    bench.add_parser(sub)
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:

@@ -1,0 +1,39 @@
+"""Configuration names of a sweep and the `deepinfer serve` flags each one stands for."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+_PD = re.compile(r"(\d+)p(\d+)d")
+_COLOCATED = re.compile(r"colocated(\d*)")
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    name: str
+    """As given to --configs: `colocated`, `colocated2`, `1p1d`, `2p1d`, ..."""
+    serve_args: tuple[str, ...]
+    """The flags of `deepinfer serve` that make this configuration."""
+
+
+def parse_config(name: str) -> ServeConfig:
+    """`colocated[N]`: N NORMAL engines (default 1); `XpYd`: X prefill and Y decode engines."""
+    name = name.strip().lower()
+    colocated = _COLOCATED.fullmatch(name)
+    if colocated:
+        return ServeConfig(name, ("--colocated", "--decode", colocated.group(1) or "1"))
+    pd = _PD.fullmatch(name)
+    if pd and int(pd.group(1)) > 0 and int(pd.group(2)) > 0:
+        return ServeConfig(name, ("--prefill", pd.group(1), "--decode", pd.group(2)))
+    raise ValueError(f"--configs: unknown configuration {name!r}; expected colocated, colocatedN or XpYd (e.g. 2p1d)")
+
+
+def parse_configs(text: str) -> list[ServeConfig]:
+    names = [n for n in text.split(",") if n.strip()]
+    if not names:
+        raise ValueError("--configs: name at least one configuration, e.g. colocated,1p1d")
+    configs = [parse_config(n) for n in names]
+    if len({c.name for c in configs}) != len(configs):
+        raise ValueError(f"--configs {text!r}: a configuration is named twice")
+    return configs

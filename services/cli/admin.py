@@ -21,6 +21,8 @@ def metadata(args) -> list[tuple[str, str]]:
 
 def format_status(status: common_pb2.ClusterStatus) -> str:
     lines = [f"model {status.model}: {'ready' if status.ready else 'NOT ready'}"]
+    if status.detail and status.detail != "ok":  # why not ready, or an engine waiting for a node
+        lines.append(f"  {status.detail}")
     header = f"  {'worker':<16} {'state':<9} {'address':<22} {'inflight':>8} {'running':>7} {'waiting':>7} {'kv use':>7} {'free blk':>8}"
     for pool in status.pools:
         name = POOL_LABELS.get(pool.pool, str(pool.pool))

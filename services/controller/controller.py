@@ -1,9 +1,14 @@
 """ClusterController: the worker pools as Ray actors — start them, scale them, drain them.
 
-Scaling up starts actors that register with the router themselves. Scaling down drains:
-the router stops sending work to the worker, the worker refuses new work, and the actor is
-stopped only once the router has nothing in flight there and the engine holds no request —
-no request is lost.
+Each pool has a target (its start size, `deepinfer scale`, or the planner's policy) and the
+controller brings the pool's engine actors to it. Scaling up starts actors that register with the
+router themselves; each asks Ray for its pool's placement (`placement.py`: the worker group's
+custom resource, its GPUs), and one that waits for a node past a grace period is reported — in the
+router's readiness detail (`/health`, `deepinfer status`) and a metric — while it keeps waiting for
+Ray's autoscaler, up to the start deadline. Scaling down drains: the router stops sending work to
+the worker, the worker refuses new work, and the actor is stopped only once the router has nothing
+in flight there and the engine holds no request — no request is lost. Pools change independently
+(one lock each), so a decode pool waiting for a node does not hold up the prefill pool.
 """
 
 from __future__ import annotations
@@ -12,11 +17,14 @@ import asyncio
 import itertools
 import logging
 import time
-from dataclasses import dataclass
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from services.common.errors import ErrorCode, ServiceError
 from services.common.workers import POOL_NAMES
+from services.controller.placement import PoolPlacement, unplaceable_reason
 from services.router.core import RouterCore
 from services.workers.spec import EngineSettings, WorkerSpec
 
@@ -30,9 +38,16 @@ class PoolSpec:
     engine_args: EngineSettings = EngineSettings()
     model_name: str = ""
     host: str = "127.0.0.1"
+    """Where workers serve; "" = their node's IP (a cluster of several machines)."""
     torch_threads: int = 1
     gpus_per_worker: float = 0.0
     log_level: str = "WARNING"
+    placements: dict[int, PoolPlacement] = field(default_factory=dict)
+    """Per pool: the custom Ray resource and GPUs of one engine (a pool not listed: `gpus_per_worker`)."""
+    placement_grace_s: float = 10.0
+    """An engine not placed on a node after this long is reported as waiting for one."""
+    start_timeout_s: float = 900.0
+    """An engine not serving after this long (placement included: a new pod can take minutes) fails."""
 
 
 @dataclass
@@ -40,6 +55,9 @@ class _Actor:
     pool: int
     handle: Any
     """The Ray actor."""
+    registered: bool = False
+    """Started and registered with the router."""
+    draining: bool = False
 
 
 class ClusterController:
@@ -49,62 +67,146 @@ class ClusterController:
         self.router_address = router_address
         self.targets: dict[int, int] = {}
         self.actors: dict[str, _Actor] = {}
+        self.waiting: dict[str, tuple[int, str]] = {}
+        """worker id -> (pool, why it still waits for a node)."""
+        self.listeners: list[Callable[[int, int], None]] = []
+        """Called with (pool, target) whenever a target is set (the planner restarts its cool-downs)."""
         self._ids = itertools.count()
-        self._lock = asyncio.Lock()
+        self._locks: dict[int, asyncio.Lock] = defaultdict(asyncio.Lock)
 
     async def scale(self, targets: dict[int, Optional[int]], timeout_s: float = 600.0) -> None:
         """Set replica counts (None = unchanged); returns when new workers are ready and removed
         ones have drained and stopped."""
-        async with self._lock:
-            jobs = []
-            for pool, target in targets.items():
-                if target is None:
-                    continue
-                if target < 0:
-                    raise ServiceError(ErrorCode.INVALID_ARGUMENT, f"{POOL_NAMES[pool]} replicas must be >= 0")
-                self.targets[pool] = target
-                mine = [wid for wid, a in self.actors.items() if a.pool == pool]
-                jobs += [self._start(pool) for _ in range(target - len(mine))]
-                jobs += [self._drain(wid, timeout_s) for wid in sorted(mine, key=_seq)[target:]]
-            results = await asyncio.gather(*jobs, return_exceptions=True)
-        errors = [r for r in results if isinstance(r, BaseException)]
+        wanted = {pool: target for pool, target in targets.items() if target is not None}
+        for pool, target in wanted.items():
+            if target < 0:
+                raise ServiceError(ErrorCode.INVALID_ARGUMENT, f"{POOL_NAMES[pool]} replicas must be >= 0")
+        for pool, target in wanted.items():
+            self.targets[pool] = target
+            for listener in self.listeners:
+                listener(pool, target)
+        await self._reconcile(list(wanted), timeout_s)
+
+    async def reconcile(self, timeout_s: float = 600.0) -> None:
+        """Bring every pool back to its target: engines the router dropped (dead) are replaced."""
+        for worker_id in [w for w, a in self.actors.items() if self._lost(w, a)]:
+            logger.warning("%s stopped answering the router: replacing it", worker_id)
+            self._forget(worker_id)
+        await self._reconcile(list(self.targets), timeout_s)
+
+    async def _reconcile(self, pools: list[int], timeout_s: float) -> None:
+        per_pool = await asyncio.gather(*(self._reconcile_pool(p, timeout_s) for p in pools))
+        errors = [e for pool_errors in per_pool for e in pool_errors]
         if errors:
             raise ServiceError(ErrorCode.INTERNAL, f"scaling failed: {errors[0]}")
 
+    async def _reconcile_pool(self, pool: int, timeout_s: float) -> list[BaseException]:
+        async with self._locks[pool]:  # the target is read under the lock: the latest one wins
+            mine = sorted((w for w, a in self.actors.items() if a.pool == pool), key=_seq)
+            target = self.targets[pool]
+            jobs = [self._start(pool) for _ in range(target - len(mine))]
+            jobs += [self._drain(worker_id, timeout_s) for worker_id in mine[target:]]
+            results = await asyncio.gather(*jobs, return_exceptions=True)
+        return [r for r in results if isinstance(r, BaseException)]
+
+    def needs_repair(self) -> bool:
+        """An engine died, or a pool has fewer engines than its target (a start failed)."""
+        sizes = self.pool_sizes()
+        lost = any(self._lost(w, a) for w, a in self.actors.items())
+        return lost or any(sizes[pool] < target for pool, target in self.targets.items())
+
+    def pool_sizes(self) -> dict[int, int]:
+        """Engine actors per pool now (starting and draining ones included)."""
+        sizes = dict.fromkeys(self.targets, 0)
+        for actor in self.actors.values():
+            sizes[actor.pool] = sizes.get(actor.pool, 0) + 1
+        return sizes
+
+    # ---- one engine ------------------------------------------------------------------------------
     async def _start(self, pool: int) -> str:
         import ray
 
-        from services.workers.worker_server import WorkerActor
+        from services.controller.node_worker_actor import NodeWorkerActor
 
         worker_id = f"{POOL_NAMES[pool]}-{next(self._ids)}"
-        spec = WorkerSpec(
-            worker_id=worker_id,
-            pool=pool,
-            engine_args=self.spec.engine_args,
-            model_name=self.spec.model_name,
-            host=self.spec.host,
-            router_address=self.router_address,
-            torch_threads=self.spec.torch_threads,
-            log_level=self.spec.log_level,
+        placement = self.spec.placements.get(pool, PoolPlacement())
+        options = placement.actor_options(self.spec.gpus_per_worker)
+        handle = (
+            ray.remote(NodeWorkerActor)
+            .options(name=worker_id, max_concurrency=4, **options)
+            .remote(self._worker_spec(worker_id, pool))
         )
-        actor_cls = ray.remote(WorkerActor).options(
-            name=worker_id, num_cpus=0, num_gpus=self.spec.gpus_per_worker, max_concurrency=4
-        )
-        handle = actor_cls.remote(spec)
         self.actors[worker_id] = _Actor(pool, handle)
+        deadline = time.monotonic() + self.spec.start_timeout_s
         try:
-            await handle.start.remote()
-        except Exception:
+            await self._placed(worker_id, pool, placement, handle, deadline)
+            await asyncio.wait_for(handle.start.remote(), max(deadline - time.monotonic(), 1.0))
+        except BaseException:
             self.actors.pop(worker_id, None)
             ray.kill(handle)
             raise
-        logger.info("started %s", worker_id)
+        finally:
+            self._set_waiting(worker_id, None)
+        self.actors[worker_id].registered = True
+        logger.info("started %s (%s)", worker_id, options)
         return worker_id
 
-    async def _drain(self, worker_id: str, timeout_s: float) -> None:
+    def _worker_spec(self, worker_id: str, pool: int) -> WorkerSpec:
+        s = self.spec
+        return WorkerSpec(
+            worker_id=worker_id,
+            pool=pool,
+            engine_args=s.engine_args,
+            model_name=s.model_name,
+            host=s.host,
+            router_address=self.router_address,
+            torch_threads=s.torch_threads,
+            log_level=s.log_level,
+        )
+
+    async def _placed(self, worker_id: str, pool: int, placement: PoolPlacement, handle, deadline: float) -> None:
+        """Until Ray has placed the actor on a node; past the grace period, say why it waits."""
         import ray
 
+        ready = asyncio.ensure_future(_await(handle.__ray_ready__.remote()))
+        began = time.monotonic()
+        while not (await asyncio.wait({ready}, timeout=1.0))[0]:
+            waited = time.monotonic() - began
+            if waited < self.spec.placement_grace_s:
+                continue
+            reason = unplaceable_reason(pool, placement, waited, await asyncio.to_thread(ray.nodes))
+            if time.monotonic() > deadline:
+                ready.cancel()
+                raise ServiceError(ErrorCode.DEADLINE_EXCEEDED, f"{worker_id} was never placed: {reason}")
+            if worker_id not in self.waiting:
+                logger.warning("%s: %s", worker_id, reason)
+            self._set_waiting(worker_id, (pool, reason))
+        ready.result()
+
+    def _set_waiting(self, worker_id: str, entry: Optional[tuple[int, str]]) -> None:
+        """Record (or clear) why an engine waits for a node; the router's readiness detail and the
+        metric say it per pool."""
+        from services.metrics.autoscaler import AUTOSCALER_UNPLACED
+
+        if entry is None:
+            if self.waiting.pop(worker_id, None) is None:
+                return
+        else:
+            self.waiting[worker_id] = entry
+        by_pool: dict[int, list[str]] = defaultdict(list)
+        for pool, reason in self.waiting.values():
+            by_pool[pool].append(reason)
+        for pool in {p for p, _ in self.waiting.values()} | set(self.targets):
+            AUTOSCALER_UNPLACED.labels(POOL_NAMES[pool]).set(len(by_pool.get(pool, [])))
+            key = f"placement:{POOL_NAMES[pool]}"
+            if by_pool.get(pool):
+                self.router.notes[key] = f"{by_pool[pool][-1]} ({len(by_pool[pool])} engine(s) waiting)"
+            else:
+                self.router.notes.pop(key, None)
+
+    async def _drain(self, worker_id: str, timeout_s: float) -> None:
         actor = self.actors[worker_id]
+        actor.draining = True
         registry = self.router.registry
         handle = registry.drain(worker_id)
         deadline = time.monotonic() + timeout_s
@@ -117,25 +219,37 @@ class ClusterController:
                     await asyncio.sleep(0.1)
             except ServiceError as e:
                 if e.code != ErrorCode.UNAVAILABLE:  # a dead worker has nothing left to drain
+                    actor.draining = False
                     raise
             await registry.remove(worker_id)
         try:
             await asyncio.wait_for(actor.handle.stop.remote(), 30)
         except Exception as e:  # already gone
             logger.warning("stopping %s: %s", worker_id, e)
-        ray.kill(actor.handle)
-        self.actors.pop(worker_id, None)
+        self._forget(worker_id)
         logger.info("drained and stopped %s", worker_id)
 
-    async def shutdown(self) -> None:
+    def _lost(self, worker_id: str, actor: _Actor) -> bool:
+        """A registered engine the router no longer lists, and not one being drained: it died."""
+        return actor.registered and not actor.draining and worker_id not in self.router.registry.workers
+
+    def _forget(self, worker_id: str) -> None:
         import ray
 
-        for actor in list(self.actors.values()):
+        actor = self.actors.pop(worker_id, None)
+        if actor is not None:
             try:
                 ray.kill(actor.handle)
-            except Exception:
+            except Exception:  # the actor is gone already
                 pass
-        self.actors.clear()
+
+    async def shutdown(self) -> None:
+        for worker_id in list(self.actors):
+            self._forget(worker_id)
+
+
+async def _await(ref):
+    return await ref
 
 
 def _seq(worker_id: str) -> int:

@@ -1,0 +1,61 @@
+"""The pools file the chart writes: placements and policy bounds per pool; typos are refused."""
+
+import pytest
+
+from services.common.workers import POOL_DECODE, POOL_PREFILL
+from services.controller.controller import PoolSpec
+from services.controller.placement import PoolPlacement, default_resource, unplaceable_reason
+from services.controller.pools_config import parse_pools_config, with_placements
+
+DOC = {
+    "pools": {
+        "prefill": {"resource": "deepinfer_prefill", "gpusPerEngine": 1},
+        "decode": {
+            "resource": "deepinfer_decode",
+            "gpusPerEngine": 8,
+            "autoscaling": {"minReplicas": 1, "maxReplicas": 6, "targetRequests": 32, "scaleInCooldownSeconds": 300},
+        },
+    },
+    "planner": {"intervalSeconds": 2, "placementGraceSeconds": 30, "startTimeoutSeconds": 1200},
+}
+
+
+def test_the_chart_s_pools_file_becomes_placements_rules_and_clocks():
+    config = parse_pools_config(DOC)
+    assert config.placements[POOL_DECODE] == PoolPlacement("deepinfer_decode", 8)
+    assert set(config.rules) == {POOL_DECODE}
+    rule = config.rules[POOL_DECODE]
+    assert (rule.min_replicas, rule.max_replicas, rule.target_requests, rule.scale_in_cooldown_s) == (1, 6, 32, 300)
+    assert config.planner.interval_s == 2 and config.planner.replace_dead
+    spec = with_placements(PoolSpec(gpus_per_worker=1), config)
+    assert spec.placement_grace_s == 30 and spec.start_timeout_s == 1200
+    assert spec.placements[POOL_PREFILL].actor_options(spec.gpus_per_worker) == {
+        "num_cpus": 0,
+        "num_gpus": 1,
+        "resources": {"deepinfer_prefill": 1},
+    }
+    assert default_resource(POOL_DECODE) == "deepinfer_decode"
+
+
+@pytest.mark.parametrize(
+    "doc, message",
+    [
+        ({"pools": {"vision": {}}}, "unknown pool 'vision'"),
+        ({"pools": {"decode": {"gpus": 8}}}, "unknown key(s) gpus"),
+        ({"pools": {"decode": {"autoscaling": {"maxReplica": 3}}}}, "unknown key(s) maxReplica"),
+        ({"pools": {"decode": {"autoscaling": {"minReplicas": 5, "maxReplicas": 2}}}}, "min_replicas <= max_replicas"),
+        ({"planer": {}}, "unknown key(s) planer"),
+    ],
+)
+def test_a_wrong_pools_file_is_refused_with_a_clear_message(doc, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        parse_pools_config(doc)
+
+
+def test_an_engine_without_a_node_is_explained():
+    placement = PoolPlacement("deepinfer_decode", 8)
+    nodes = [{"Alive": True, "Resources": {"CPU": 4.0, "deepinfer_prefill": 1.0}}]
+    reason = unplaceable_reason(POOL_DECODE, placement, 31, nodes)
+    assert "decode pool" in reason and "no node offers Ray resource 'deepinfer_decode'" in reason
+    nodes.append({"Alive": True, "Resources": {"deepinfer_decode": 1.0}})
+    assert "every node offering 'deepinfer_decode' (1) is full" in unplaceable_reason(POOL_DECODE, placement, 31, nodes)

@@ -223,6 +223,16 @@ class DecodeStub:
                 request_serializer=proto_dot_worker__pb2.GenerateWork.SerializeToString,
                 response_deserializer=proto_dot_common__pb2.SampleDelta.FromString,
                 _registered_method=True)
+        self.Subscribe = channel.unary_stream(
+                '/deepinfer.v1.Decode/Subscribe',
+                request_serializer=proto_dot_worker__pb2.SubscribeRequest.SerializeToString,
+                response_deserializer=proto_dot_worker__pb2.DeltaBatch.FromString,
+                _registered_method=True)
+        self.Submit = channel.unary_unary(
+                '/deepinfer.v1.Decode/Submit',
+                request_serializer=proto_dot_worker__pb2.GenerateWork.SerializeToString,
+                response_deserializer=proto_dot_worker__pb2.SubmitReply.FromString,
+                _registered_method=True)
 
 
 class DecodeServicer:
@@ -257,6 +267,23 @@ class DecodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Subscribe(self, request, context):
+        """The deltas of every request reserved or submitted under `subscriber_id`, one DeltaBatch per
+        engine turn (a subscriber that falls behind gets several turns in one batch; none is dropped).
+        Initial metadata comes once the subscription is in place: requests may name it from then on.
+        The call ending (the subscriber went away) aborts every unfinished request it owns.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Submit(self, request, context):
+        """NORMAL engine: admit a request whose deltas (from its first token) go to its subscriber.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DecodeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -279,6 +306,16 @@ def add_DecodeServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=proto_dot_worker__pb2.GenerateWork.FromString,
                     response_serializer=proto_dot_common__pb2.SampleDelta.SerializeToString,
+            ),
+            'Subscribe': grpc.unary_stream_rpc_method_handler(
+                    servicer.Subscribe,
+                    request_deserializer=proto_dot_worker__pb2.SubscribeRequest.FromString,
+                    response_serializer=proto_dot_worker__pb2.DeltaBatch.SerializeToString,
+            ),
+            'Submit': grpc.unary_unary_rpc_method_handler(
+                    servicer.Submit,
+                    request_deserializer=proto_dot_worker__pb2.GenerateWork.FromString,
+                    response_serializer=proto_dot_worker__pb2.SubmitReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -390,6 +427,60 @@ class Decode:
             '/deepinfer.v1.Decode/Generate',
             proto_dot_worker__pb2.GenerateWork.SerializeToString,
             proto_dot_common__pb2.SampleDelta.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Subscribe(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/deepinfer.v1.Decode/Subscribe',
+            proto_dot_worker__pb2.SubscribeRequest.SerializeToString,
+            proto_dot_worker__pb2.DeltaBatch.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Submit(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/deepinfer.v1.Decode/Submit',
+            proto_dot_worker__pb2.GenerateWork.SerializeToString,
+            proto_dot_worker__pb2.SubmitReply.FromString,
             options,
             channel_credentials,
             insecure,

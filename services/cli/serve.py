@@ -28,7 +28,20 @@ def add_parser(sub) -> None:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--device", default="auto")
     p.add_argument("--max-n", type=int, default=RequestLimits.max_n, help="largest n a request may ask for")
-    p.add_argument("--max-concurrent-requests", type=int, default=512, help="more in flight get HTTP 429")
+    p.add_argument(
+        "--max-concurrent-requests",
+        type=int,
+        default=512,
+        help="more in flight, over all API processes together, get HTTP 429 / RESOURCE_EXHAUSTED (default: 512)",
+    )
+    p.add_argument(
+        "--api-workers",
+        type=int,
+        default=1,
+        help="API processes serving the same HTTP and gRPC ports, each with its own gateway and router "
+        "(Linux SO_REUSEPORT: the kernel spreads connections); process 0 is the head, which restarts "
+        "any other that dies; /metrics of any of them counts all (default: 1)",
+    )
     p.add_argument(
         "--request-timeout",
         type=float,
@@ -39,6 +52,21 @@ def add_parser(sub) -> None:
     p.add_argument("--gpus-per-worker", type=float, default=None, help="default: 1 when CUDA is present, else 0")
     p.add_argument("--num-cpus", type=int, default=None, help="CPUs of the local Ray node")
     p.add_argument("--ray-address", default=None, help="join this Ray cluster instead of starting one")
+    p.add_argument(
+        "--autoscale",
+        action="store_true",
+        help="the controller sizes the prefill and decode pools from their load (bounds: --pools-config)",
+    )
+    p.add_argument(
+        "--pools-config",
+        default=None,
+        help="pools file (JSON; the Helm chart writes it): each pool's Ray resource, GPUs per engine, autoscaling bounds",
+    )
+    p.add_argument(
+        "--cluster-host",
+        default="127.0.0.1",
+        help="address the router and the workers serve each other on; 'auto' = this node's IP (several machines)",
+    )
     p.set_defaults(func=run)
 
 
@@ -60,6 +88,8 @@ def config_from_args(args: argparse.Namespace):
         import torch
 
         gpus = 1.0 if torch.cuda.is_available() and args.device != "cpu" else 0.0
+    if args.api_workers < 1:
+        raise ValueError("--api-workers must be at least 1")
     for name in ("prefill", "decode"):
         if getattr(args, name) < (0 if name == "prefill" and args.colocated else 1):
             raise ValueError(f"--{name} must be at least 1")
@@ -75,19 +105,27 @@ def config_from_args(args: argparse.Namespace):
         api_key=args.api_key,
         limits=RequestLimits(max_n=args.max_n, request_timeout_s=args.request_timeout),
         max_concurrent_requests=args.max_concurrent_requests,
+        api_workers=args.api_workers,
         torch_threads=args.engine_threads,
         gpus_per_worker=gpus,
         num_cpus=args.num_cpus,
         ray_address=args.ray_address,
+        autoscale=args.autoscale,
+        pools_config=args.pools_config,
+        cluster_host=args.cluster_host,
         log_level=args.log_level.upper(),
     )
 
 
 def run(args: argparse.Namespace) -> int:
-    from services.common.grpc_util import install_uvloop
-    from services.controller.head import Head
+    from services.metrics.multiprocess import shared_metrics
 
-    config = config_from_args(args)
-    install_uvloop()
-    asyncio.run(Head(config).run())
+    # several API processes sum their metrics in files: set up before prometheus-client is imported
+    with shared_metrics(enabled=args.api_workers > 1):
+        from services.common.grpc_util import install_uvloop
+        from services.controller.head import Head
+
+        config = config_from_args(args)
+        install_uvloop()
+        asyncio.run(Head(config).run())
     return 0

@@ -5,7 +5,8 @@ send `SampleDelta`s: the new part and where it starts, so the receiver splices i
 (`tokens[token_offset:] = token_ids`, `text[text_offset:] = text`). Text can move back: a
 stop string found at the end is cut off. `OutputDiffer` makes deltas on the engine side;
 `SampleAssembler` rebuilds the sample on the router and decides what reaches the client,
-holding back the last few characters while a stop string could still be forming.
+holding back the last few characters while a stop string could still be forming. `merge`
+folds two consecutive deltas into one, so a reader that fell behind takes one message.
 """
 
 from __future__ import annotations
@@ -107,6 +108,42 @@ def _logprobs(out: CompletionOutput, start: int) -> Optional[list[TokenLogprob]]
     return result
 
 
+def merge(a: SampleDelta, b: SampleDelta) -> SampleDelta:
+    """One delta that splices in what `a` then `b` did: exact for tokens, logprobs, text that
+    moves back (a stop string cut off), the finish and the cached-prompt count. `b` must follow
+    `a` in one sample's stream (each offset within what the receiver holds after the one before)."""
+    keep = b.token_offset - a.token_offset  # a's tokens that b leaves in place (negative: b cuts further back)
+    text_keep = b.text_offset - a.text_offset
+    token_offset, token_ids = (
+        (a.token_offset, a.token_ids[:keep] + b.token_ids) if keep >= 0 else (b.token_offset, b.token_ids)
+    )
+    text_offset, text = (a.text_offset, a.text[:text_keep] + b.text) if text_keep >= 0 else (b.text_offset, b.text)
+    ended = b if b.finish_reason is not None else a
+    return SampleDelta(
+        index=b.index,
+        token_offset=token_offset,
+        token_ids=token_ids,
+        text_offset=text_offset,
+        text=text,
+        logprobs=_merged_logprobs(a, b, keep),
+        finish_reason=ended.finish_reason,
+        stop_reason=ended.stop_reason,
+        error=ended.error,
+        num_cached_tokens=max(a.num_cached_tokens, b.num_cached_tokens),
+    )
+
+
+def _merged_logprobs(a: SampleDelta, b: SampleDelta, keep: int) -> Optional[list[TokenLogprob]]:
+    """Logprobs beside the merged tokens; None unless every merged token has one (a delta
+    without logprobs, such as an abort's, may follow one that has them)."""
+    if a.logprobs is None and b.logprobs is None:
+        return None
+    head = (a.logprobs if a.logprobs is not None else [None] * len(a.token_ids))[:keep] if keep >= 0 else []
+    tail = b.logprobs if b.logprobs is not None else [None] * len(b.token_ids)
+    merged = head + tail
+    return merged if all(lp is not None for lp in merged) else None
+
+
 class SampleAssembler:
     """Router side: splices deltas from the stages holding a sample (PE, then CE) and hands
     out what the client may see."""
@@ -164,3 +201,32 @@ class SampleAssembler:
         self.sent_chars = max(self.sent_chars, limit)
         self.done = finished
         return delta
+
+    def push(self, d: SampleDelta) -> Optional[SampleDelta]:
+        """`apply(d)` then `take()`. A delta that starts exactly where the client is, with no text
+        held back, is what the client gets: passed on as it is (or re-indexed), not rebuilt."""
+        at_edge = (
+            d.token_offset == len(self.tokens) == self.sent_tokens
+            and d.text_offset == len(self.text) == self.sent_chars
+        )
+        if self.holdback or self.done or not at_edge:
+            self.apply(d)
+            return self.take()
+        self.num_cached_tokens = cached = max(self.num_cached_tokens, d.num_cached_tokens)
+        finished = d.finish_reason is not None
+        if not d.token_ids and not d.text and not finished:
+            return None
+        self.tokens += d.token_ids
+        self.logprobs += d.logprobs if d.logprobs is not None else [None] * len(d.token_ids)
+        self.text += d.text
+        self.sent_tokens, self.sent_chars, self.done = len(self.tokens), len(self.text), finished
+        if finished:
+            self.finish_reason, self.stop_reason, self.error = d.finish_reason, d.stop_reason, d.error
+        lps = d.logprobs if d.logprobs and all(lp is not None for lp in d.logprobs) else None
+        unchanged = d.index == self.index and cached == d.num_cached_tokens and lps is d.logprobs
+        if unchanged and (finished or (d.stop_reason is None and d.error is None)):
+            return d
+        stop, error = self.stop_reason, self.error
+        return SampleDelta(
+            self.index, d.token_offset, d.token_ids, d.text_offset, d.text, lps, d.finish_reason, stop, error, cached
+        )

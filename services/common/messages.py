@@ -14,39 +14,57 @@ from services.common.workers import WorkerInfo, WorkerLoad
 
 
 def delta_to_proto(d: SampleDelta) -> common_pb2.SampleDelta:
-    msg = common_pb2.SampleDelta(
-        index=d.index,
-        token_offset=d.token_offset,
-        token_ids=d.token_ids,
-        text_offset=d.text_offset,
-        text=d.text,
-        finish_reason=d.finish_reason or "",
-        error=d.error or "",
-        num_cached_tokens=d.num_cached_tokens,
-    )
-    for lp in d.logprobs or []:
-        msg.logprobs.add(token_id=lp.token_id, logprob=lp.logprob, top=lp.top)
-    if isinstance(d.stop_reason, int):
-        msg.stop_token_id = d.stop_reason
-    elif isinstance(d.stop_reason, str):
-        msg.stop_string = d.stop_reason
+    return fill_delta(common_pb2.SampleDelta(), d)
+
+
+def fill_delta(msg: common_pb2.SampleDelta, d: SampleDelta) -> common_pb2.SampleDelta:
+    """Write `d` into an empty `msg` (a batch's own submessage: no copy). Fields at their default
+    are left unset: a running delta's one token and its text are most of the token path."""
+    if d.index:
+        msg.index = d.index
+    msg.token_offset = d.token_offset
+    if d.token_ids:
+        msg.token_ids.extend(d.token_ids)
+    msg.text_offset = d.text_offset
+    if d.text:
+        msg.text = d.text
+    if d.logprobs:
+        for lp in d.logprobs:
+            msg.logprobs.add(token_id=lp.token_id, logprob=lp.logprob, top=lp.top)
+    if d.finish_reason:
+        msg.finish_reason = d.finish_reason
+    if d.stop_reason is not None:
+        if isinstance(d.stop_reason, int):
+            msg.stop_token_id = d.stop_reason
+        else:
+            msg.stop_string = d.stop_reason
+    if d.error:
+        msg.error = d.error
+    if d.num_cached_tokens:
+        msg.num_cached_tokens = d.num_cached_tokens
     return msg
 
 
 def delta_from_proto(msg: common_pb2.SampleDelta) -> SampleDelta:
+    d = SampleDelta(msg.index, msg.token_offset, list(msg.token_ids), msg.text_offset, msg.text)
+    if msg.logprobs:
+        d.logprobs = [TokenLogprob(lp.token_id, lp.logprob, dict(lp.top)) for lp in msg.logprobs]
+    d.finish_reason = msg.finish_reason or None
     which = msg.WhichOneof("stop_reason")
-    return SampleDelta(
-        index=msg.index,
-        token_offset=msg.token_offset,
-        token_ids=list(msg.token_ids),
-        text_offset=msg.text_offset,
-        text=msg.text,
-        logprobs=[TokenLogprob(lp.token_id, lp.logprob, dict(lp.top)) for lp in msg.logprobs] or None,
-        finish_reason=msg.finish_reason or None,
-        stop_reason=getattr(msg, which) if which else None,
-        error=msg.error or None,
-        num_cached_tokens=msg.num_cached_tokens,
-    )
+    if which:
+        d.stop_reason = getattr(msg, which)
+    d.error = msg.error or None
+    d.num_cached_tokens = msg.num_cached_tokens
+    return d
+
+
+def batch_to_proto(items: list[tuple[str, SampleDelta]]) -> worker_pb2.DeltaBatch:
+    """(request id, delta) pairs, in order, as one message of a worker's subscription."""
+    batch = worker_pb2.DeltaBatch()
+    add = batch.items.add
+    for request_id, delta in items:
+        fill_delta(add(request_id=request_id).delta, delta)
+    return batch
 
 
 def region_to_proto(region: Optional[KVRegion]) -> Optional[common_pb2.KVRegion]:

@@ -1,8 +1,16 @@
 """The head process of `deepinfer serve`: Ray, the router, the controller and the gateway.
 
-One asyncio loop (uvloop) runs the router's gRPC server, the gateway's gRPC server
-(Gateway + Cluster services, with reflection) and its HTTP server (uvicorn); the workers are
-Ray actors, each with its own gRPC server, that register with the router.
+One asyncio loop (uvloop) runs the router's gRPC server (where workers register; it serves the
+Cluster service too, for the other API processes), the gateway's gRPC server (Gateway + Cluster
+services, with reflection) and its HTTP server (uvicorn). The gateway calls the router in-process
+(`LocalRouterClient`): a token is not serialized again between them. The workers are Ray actors,
+each with its own gRPC server, that register with the router.
+
+With `api_workers` > 1 the head also starts that many - 1 extra API processes on the same HTTP and
+gRPC ports (`services/gateway/api_workers.py`), each with a gateway and a router of its own that
+mirrors this one's registry; admission counts are shared and /metrics sums every process. That
+needs prometheus-client's multiprocess mode, set up before it is imported
+(`services.metrics.multiprocess.shared_metrics`, as `deepinfer serve` does).
 
 `start_front()` starts only the front door (router + gateway), without Ray or workers: workers
 started elsewhere register with `router_address`. `start()` is that plus Ray and the pools.
@@ -14,7 +22,6 @@ import asyncio
 import logging
 import os
 import signal
-import socket
 
 from services.common.grpc_util import bind, enable_reflection, new_server
 from services.common.workers import POOL_NAMES
@@ -33,64 +40,88 @@ class Head:
         self.grpc_address = ""
         self.router = None
         self.router_server = None
-        self.router_client = None
         self.gateway = None
-        self.grpc_server = None
-        self.http_server = None
-        self.http_task = None
+        """The head's `GatewayCore`."""
+        self.front = None
+        """The head's `GatewayFront`: its gateway's gRPC and HTTP servers."""
         self.cluster_service = None
         self.controller = None
+        self.planner = None
+        """Sizes the pools from the pools file and, with `autoscale`, from their load."""
+        self.api_workers = None
+        """The extra API processes (`ApiWorkers`), when `config.api_workers` > 1."""
         self._ray_started = False
-        self._loads: list = []
+        self._load_source = None
 
     async def start(self) -> None:
         """Ray, the front door, then the pools; returns once every worker is ready."""
         self._init_ray()
-        await self.start_front()
+        await self._serve_front()
+        if self.api_workers is not None:
+            self.api_workers.spawn()  # they start while the pools do
         await self._start_pools()
+        if self.api_workers is not None:
+            await self.api_workers.wait_ready()
+            await self.api_workers.wait_synced(lambda: list(self.router.registry.workers))
+        print(
+            f"deepinfer: ready — OpenAI API at {self.http_url}/v1 , gRPC at {self.grpc_address} "
+            f"(model {self.config.model_name})",
+            flush=True,
+        )
 
     async def start_front(self) -> None:
-        """The router and the gateway (HTTP + gRPC), serving; no Ray, no workers yet."""
+        """The router and the gateway (HTTP + gRPC) of every API process, serving; no Ray, no workers yet."""
+        await self._serve_front()
+        if self.api_workers is not None:
+            self.api_workers.spawn()
+            await self.api_workers.wait_ready()
+
+    async def _serve_front(self) -> None:
         await self._start_router()
         self._start_gateway()
-        await self.grpc_server.start()
-        await self._start_http()
+        await self.front.start()
 
     async def _start_pools(self) -> None:
         from services.controller.controller import ClusterController
 
         cfg = self.config
+        from services.controller.planner import start_planner
+
         self.controller = ClusterController(cfg.pool_spec(), self.router, self.router_address)
+        # the pools file's placements reach the controller before its first engine starts
+        self.planner = start_planner(self.controller, cfg.pools_config, cfg.autoscale)
         self.cluster_service.controller = self.controller
         print(f"deepinfer: starting workers {_describe(cfg.targets)} for model {cfg.model_name} ...", flush=True)
         await self.controller.scale(cfg.targets)
-        print(
-            f"deepinfer: ready — OpenAI API at {self.http_url}/v1 , gRPC at {self.grpc_address} "
-            f"(model {cfg.model_name})",
-            flush=True,
-        )
 
     def _init_ray(self) -> None:
         import ray
 
+        from services.metrics import multiprocess
+
         os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
         verbose = self.config.log_level.upper() in ("DEBUG", "INFO")
-        if self.config.ray_address:
-            context = ray.init(address=self.config.ray_address, logging_level=logging.WARNING, log_to_driver=verbose)
-        else:
-            loopback = self.config.host in ("127.0.0.1", "localhost", "::1")
-            context = ray.init(
-                num_cpus=self.config.num_cpus or os.cpu_count() or 1,
-                include_dashboard=False,
-                logging_level=logging.WARNING,
-                log_to_driver=verbose,
-                _node_ip_address="127.0.0.1" if loopback else None,
-            )
+        with multiprocess.hidden():  # the workers serve metrics of their own, never summed with ours
+            if self.config.ray_address:
+                context = ray.init(
+                    address=self.config.ray_address, logging_level=logging.WARNING, log_to_driver=verbose
+                )
+            else:
+                loopback = self.config.host in ("127.0.0.1", "localhost", "::1")
+                context = ray.init(
+                    address="local",  # a cluster of our own, even when another runs on this machine
+                    num_cpus=self.config.num_cpus or os.cpu_count() or 1,
+                    include_dashboard=False,
+                    logging_level=logging.WARNING,
+                    log_to_driver=verbose,
+                    _node_ip_address="127.0.0.1" if loopback else None,
+                )
         self._ray_started = True
         print(f"deepinfer: Ray cluster at {context.address_info['gcs_address']}", flush=True)
 
     async def _start_router(self) -> None:
-        from proto import router_pb2_grpc
+        from proto import gateway_pb2_grpc, router_pb2_grpc
+        from services.controller.service import ClusterService
         from services.router.clients import GrpcWorkerClient
         from services.router.core import RouterCore
         from services.router.registry import PoolRegistry
@@ -101,54 +132,74 @@ class Head:
         self.router.start()
         self.router_server = new_server()
         router_pb2_grpc.add_RouterServicer_to_server(RouterService(self.router), self.router_server)
-        enable_reflection(self.router_server, ["deepinfer.v1.Router"])
-        port = bind(self.router_server, "127.0.0.1", 0)
-        self.router_address = f"127.0.0.1:{port}"
+        self.cluster_service = ClusterService(self.router, self._check_api_key)
+        # the other API processes pass the Cluster calls that reach them on to here
+        gateway_pb2_grpc.add_ClusterServicer_to_server(self.cluster_service, self.router_server)
+        enable_reflection(self.router_server, ["deepinfer.v1.Router", "deepinfer.v1.Cluster"])
+        host, advertised = _router_host(cfg.cluster_host)
+        port = bind(self.router_server, host, 0)
+        self.router_address = f"{advertised}:{port}"
         await self.router_server.start()
 
+    def _check_api_key(self, context) -> None:
+        from services.gateway.grpc_service import authorization
+
+        self.gateway.check_api_key(authorization(context))
+
     def _start_gateway(self) -> None:
-        """The gateway core and its gRPC server (Gateway + Cluster services), bound, not yet started."""
+        """The head's gateway, calling the router in-process, and its servers, bound, not yet started."""
         from deepinfer_core.tokenizer import load_tokenizer
-        from proto import gateway_pb2_grpc
-        from services.controller.service import ClusterService
+        from services.gateway.admission import Admission
         from services.gateway.core import GatewayCore
-        from services.gateway.grpc_service import GatewayService, authorization
-        from services.gateway.router_client import GrpcRouterClient
+        from services.gateway.front import GatewayFront, check_port_free
+        from services.gateway.router_client import LocalRouterClient
+        from services.metrics import multiprocess
+        from services.metrics.load_collector import add_load_source, registry_source
 
         cfg = self.config
-        tokenizer = load_tokenizer(cfg.engine_args.tokenizer or cfg.model_path)
-        self.router_client = GrpcRouterClient(self.router_address)
-        self.gateway = GatewayCore(cfg.gateway_config(), tokenizer, self.router_client)
-        self.grpc_server = new_server()
-        gateway_pb2_grpc.add_GatewayServicer_to_server(GatewayService(self.gateway), self.grpc_server)
+        self._gateway_config = cfg.gateway_config()
+        metrics_dir = multiprocess.directory()
+        counts = None
+        if cfg.api_workers > 1:
+            if metrics_dir is None:
+                raise RuntimeError("api_workers > 1 needs services.metrics.multiprocess.shared_metrics() set up first")
+            from services.gateway.api_workers import ApiWorkers
 
-        def check(context):
-            self.gateway.check_api_key(authorization(context))
+            self.api_workers = ApiWorkers(cfg.api_workers, self._api_process_spec)
+            counts = self.api_workers.counts
+        admission = Admission(cfg.max_concurrent_requests, counts)
+        tokenizer = load_tokenizer(self._tokenizer_path())
+        self.gateway = GatewayCore(self._gateway_config, tokenizer, LocalRouterClient(self.router), admission)
+        registry = multiprocess.scrape_registry(metrics_dir) if metrics_dir else None
+        self.front = GatewayFront(self.gateway, self.cluster_service, registry)
+        self._load_source = registry_source(self.router.registry)
+        add_load_source(self._load_source)
+        for port in (cfg.port, cfg.grpc_port):  # a port shared by SO_REUSEPORT must be ours alone
+            check_port_free(cfg.host, port)
+        self.front.bind(cfg.host, cfg.port, cfg.grpc_port, reuse_port=cfg.api_workers > 1)
+        self.http_url = f"http://{cfg.host}:{self.front.http_port}"
+        self.grpc_address = f"{cfg.host}:{self.front.grpc_port}"
 
-        self.cluster_service = ClusterService(self.router, check)
-        gateway_pb2_grpc.add_ClusterServicer_to_server(self.cluster_service, self.grpc_server)
-        enable_reflection(self.grpc_server, ["deepinfer.v1.Gateway", "deepinfer.v1.Cluster"])
-        self.grpc_address = f"{cfg.host}:{bind(self.grpc_server, cfg.host, cfg.grpc_port)}"
+    def _tokenizer_path(self) -> str:
+        return self.config.engine_args.tokenizer or self.config.model_path
 
-    async def _start_http(self) -> None:
-        import uvicorn
-
-        from services.gateway.http_app import build_app
-        from services.metrics.load_collector import add_load_source
+    def _api_process_spec(self, index: int):
+        from services.gateway.api_process import ApiProcessSpec
 
         cfg = self.config
-        app = build_app(self.gateway, on_metrics=self._refresh_loads)
-        sock = socket.socket(socket.AF_INET6 if ":" in cfg.host else socket.AF_INET)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((cfg.host, cfg.port))
-        self.http_url = f"http://{cfg.host}:{sock.getsockname()[1]}"
-        server_config = uvicorn.Config(app, log_level="warning", lifespan="off", timeout_keep_alive=30)
-        self.http_server = uvicorn.Server(server_config)
-        self.http_task = asyncio.ensure_future(self.http_server.serve(sockets=[sock]))
-        add_load_source(lambda: self._loads)
-
-    async def _refresh_loads(self) -> None:
-        self._loads = [(POOL_NAMES[h.info.pool], h.worker_id, h.load) for h in self.router.registry.workers.values()]
+        return ApiProcessSpec(
+            index=index,
+            gateway=self._gateway_config,
+            router=cfg.router_config(),
+            model_name=cfg.model_name,
+            tokenizer_path=self._tokenizer_path(),
+            host=cfg.host,
+            http_port=self.front.http_port,
+            grpc_port=self.front.grpc_port,
+            head_address=self.router_address,
+            counts_path=self.api_workers.counts_path,
+            log_level=cfg.log_level,
+        )
 
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
@@ -157,23 +208,29 @@ class Head:
         try:
             await self.start()
             done = asyncio.ensure_future(self.stopped.wait())
-            await asyncio.wait({done, self.http_task}, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait({done, self.front.http_task}, return_when=asyncio.FIRST_COMPLETED)
         finally:
             await self.stop()
 
     async def stop(self) -> None:
+        """The other API processes first (they stream from the workers too), then this one's front
+        door, the pools, the router and Ray."""
+        from services.metrics.load_collector import remove_load_source
+
         print("deepinfer: shutting down", flush=True)
-        if self.http_server is not None:
-            self.http_server.should_exit = True
-            await asyncio.wait({self.http_task}, timeout=5)
-        if self.grpc_server is not None:
-            await self.grpc_server.stop(1)
+        if self.api_workers is not None:
+            await self.api_workers.stop()
+        if self.front is not None:
+            await self.front.stop()
+        if self.planner is not None:
+            await self.planner.stop()
         if self.controller is not None:
             await self.controller.shutdown()
         if self.router is not None:
             await self.router.stop()
         if self.router_server is not None:
             await self.router_server.stop(1)
+        remove_load_source(self._load_source)
         if self._ray_started:
             import ray
 
@@ -182,3 +239,19 @@ class Head:
 
 def _describe(targets: dict[int, int]) -> str:
     return ", ".join(f"{n} {POOL_NAMES[p]}" for p, n in targets.items())
+
+
+def _router_host(cluster_host: str) -> tuple[str, str]:
+    """(address the router binds, address workers reach it at). "auto": every interface, reached at
+    this node's IP (workers on other machines); else that one address."""
+    if cluster_host != "auto":
+        return cluster_host, cluster_host
+    import socket
+
+    try:
+        import ray
+
+        ip = ray.util.get_node_ip_address()
+    except Exception:  # no Ray here (the front door alone)
+        ip = socket.gethostbyname(socket.gethostname())
+    return "0.0.0.0", ip

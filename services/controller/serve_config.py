@@ -36,12 +36,22 @@ class HeadConfig:
     limits: RequestLimits = RequestLimits()
     """`max_n` and the request deadline, for the gateway and the router alike."""
     max_concurrent_requests: int = 512
+    """Requests in flight at once, counted over every API process; more get 429."""
+    api_workers: int = 1
+    """API processes serving the same HTTP and gRPC ports (the head and `api_workers` - 1 more), each
+    with a gateway and a router of its own: one event loop is then not the limit."""
     torch_threads: int = 1
     gpus_per_worker: float = 0.0
     num_cpus: Optional[int] = None
     """CPUs Ray may schedule on this node (workers take none; set it to bound other Ray work)."""
     ray_address: Optional[str] = None
     """Join an existing Ray cluster instead of starting one."""
+    autoscale: bool = False
+    """The controller sizes the pools from their load (`planner.py`); bounds from `pools_config`."""
+    pools_config: Optional[str] = None
+    """The pools file (`pools_config.py`): each pool's Ray resource, GPUs per engine, policy bounds."""
+    cluster_host: str = "127.0.0.1"
+    """Where the router and the workers serve each other; "auto" = this node's IP."""
     log_level: str = "WARNING"
 
     @property
@@ -93,5 +103,10 @@ class HeadConfig:
 
     def pool_spec(self) -> PoolSpec:
         return PoolSpec(
-            self.engine_args, self.model_name, "127.0.0.1", self.torch_threads, self.gpus_per_worker, self.log_level
+            self.engine_args,
+            self.model_name,
+            "" if self.cluster_host == "auto" else self.cluster_host,
+            self.torch_threads,
+            self.gpus_per_worker,
+            self.log_level,
         )

@@ -6,15 +6,16 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Optional
 
 from deepinfer_core.sampling_params import SamplingParams
 from services.common.deltas import SampleDelta
 from services.common.errors import ErrorCode, ServiceError
 from services.common.limits import RequestLimits
-from services.common.stream_merge import merge
+from services.common.stream_merge import FAILED, merge
 from services.gateway import validation
+from services.gateway.admission import Admission
 from services.metrics import definitions as m
 
 
@@ -33,28 +34,53 @@ class GatewayConfig:
     """Larger HTTP bodies get 413."""
 
 
-@dataclass
 class Choice:
     """One output stream of a request: prompt p, sample i (OpenAI index p * n + i)."""
 
-    index: int
-    prompt_tokens: int
-    sample: int = 0
-    token_ids: list[int] = field(default_factory=list)
-    text: str = ""
-    logprobs: list = field(default_factory=list)
-    finish_reason: Optional[str] = None
-    stop_reason: Any = None
-    cached_tokens: int = 0
+    def __init__(self, index: int, prompt_tokens: int, sample: int = 0):
+        self.index = index
+        self.prompt_tokens = prompt_tokens
+        self.sample = sample
+        self.token_ids: list[int] = []
+        self._text: list[str] = []
+        """The text as it came, joined when read: appending costs the same however long it grows."""
+        self.text_len = 0
+        """Characters of text so far."""
+        self.logprobs: list = []
+        self.finish_reason: Optional[str] = None
+        self.stop_reason: Any = None
+        self.cached_tokens = 0
+
+    @property
+    def text(self) -> str:
+        if len(self._text) > 1:
+            self._text[:] = ["".join(self._text)]
+        return self._text[0] if self._text else ""
+
+    def add(self, delta: SampleDelta) -> None:
+        """Append a delta of this choice; a failed generation raises (UNAVAILABLE)."""
+        self.token_ids += delta.token_ids
+        if delta.text:
+            self._text.append(delta.text)
+            self.text_len += len(delta.text)
+        if delta.logprobs:
+            self.logprobs += delta.logprobs
+        if delta.num_cached_tokens > self.cached_tokens:
+            self.cached_tokens = delta.num_cached_tokens
+        if delta.finish_reason is not None:
+            self.finish_reason, self.stop_reason = delta.finish_reason, delta.stop_reason
+            if delta.finish_reason in FAILED:
+                raise ServiceError(ErrorCode.UNAVAILABLE, f"generation failed: {delta.error or delta.finish_reason}")
 
 
 class GatewayCore:
-    def __init__(self, config: GatewayConfig, tokenizer, router):
+    def __init__(self, config: GatewayConfig, tokenizer, router, admission: Optional[Admission] = None):
+        """`admission`: the count of requests in flight (default: this process's alone)."""
         self.config = config
         self.tokenizer = tokenizer
         self.router = router
         self.vocab_size = tokenizer.vocab_size
-        self.active = 0
+        self.admission = admission or Admission(config.max_concurrent_requests)
 
     # ---- admission -------------------------------------------------------------------------
     def check_api_key(self, authorization: Optional[str]) -> None:
@@ -68,19 +94,27 @@ class GatewayCore:
 
     def admit(self) -> None:
         """Count a request in; `release()` when it ends. Over the limit: RESOURCE_EXHAUSTED."""
-        self.check_capacity()
-        self.active += 1
+        if not self.admission.try_enter():
+            raise self._busy()
 
     def check_capacity(self) -> None:
-        if self.active >= self.config.max_concurrent_requests:
-            raise ServiceError(
-                ErrorCode.RESOURCE_EXHAUSTED,
-                f"the server has {self.active} requests in flight (limit {self.config.max_concurrent_requests}); "
-                "retry later",
-            )
+        if self.admission.in_flight >= self.config.max_concurrent_requests:
+            raise self._busy()
+
+    def _busy(self) -> ServiceError:
+        return ServiceError(
+            ErrorCode.RESOURCE_EXHAUSTED,
+            f"the server has {self.admission.in_flight} requests in flight "
+            f"(limit {self.config.max_concurrent_requests}); retry later",
+        )
 
     def release(self) -> None:
-        self.active -= 1
+        self.admission.leave()
+
+    @property
+    def active(self) -> int:
+        """Requests in flight (over every API process when the count is shared)."""
+        return self.admission.in_flight
 
     async def ready(self) -> tuple[bool, str]:
         try:
@@ -99,22 +133,22 @@ class GatewayCore:
     async def generate(
         self, prompts: list[list[int]], params: SamplingParams, request_id: Optional[str] = None
     ) -> AsyncIterator[tuple[Choice, SampleDelta]]:
-        """Deltas of every (prompt, sample), each with its `Choice` (updated before it is yielded)."""
+        """Deltas of every (prompt, sample), each with its `Choice` (updated before it is yielded).
+        Several prompts are merged (each choice's waiting deltas as one); one prompt is read as it is."""
         request_id = request_id or uuid.uuid4().hex
         arrival = time.monotonic()
-        choices = {}
-        streams = []
-        for p, ids in enumerate(prompts):
-            for i in range(params.n):
-                choices[(p, i)] = Choice(p * params.n + i, len(ids), i)
-            timeout_s = self.config.limits.request_timeout_s
-            streams.append(self.router.generate(f"{request_id}-{p}", ids, params, timeout_s))
+        n = params.n
+        choices = [Choice(p * n + i, len(ids), i) for p, ids in enumerate(prompts) for i in range(n)]
+        timeout_s = self.config.limits.request_timeout_s
+        streams = [self.router.generate(f"{request_id}-{p}", ids, params, timeout_s) for p, ids in enumerate(prompts)]
+        many = len(streams) > 1
+        stream = merge(streams) if many else streams[0]
         first_at = last_at = None
-        merged = merge(streams)
         try:
-            async for p, delta in merged:
-                choice = choices[(p, delta.index)]
-                _apply(choice, delta)
+            async for item in stream:
+                p, delta = item if many else (0, item)
+                choice = choices[p * n + delta.index]
+                choice.add(delta)
                 last_at = time.monotonic()
                 if first_at is None and delta.token_ids:
                     first_at = last_at
@@ -123,8 +157,8 @@ class GatewayCore:
             m.REQUEST_ERRORS.labels(e.code.name).inc()
             raise
         finally:
-            await merged.aclose()
-        self._observe(list(choices.values()), arrival, first_at, last_at)
+            await stream.aclose()
+        self._observe(choices, arrival, first_at, last_at)
 
     def _observe(self, choices: list[Choice], arrival: float, first_at, last_at) -> None:
         model = self.config.model_name
@@ -141,18 +175,6 @@ class GatewayCore:
         longest = max(len(c.token_ids) for c in choices)
         if longest > 1:
             m.TIME_PER_OUTPUT_TOKEN.labels(model).observe((last_at - first_at) / (longest - 1))
-
-
-def _apply(choice: Choice, delta: SampleDelta) -> None:
-    choice.token_ids += delta.token_ids
-    choice.text += delta.text
-    if delta.logprobs:
-        choice.logprobs += delta.logprobs
-    choice.cached_tokens = max(choice.cached_tokens, delta.num_cached_tokens)
-    if delta.finish_reason is not None:
-        choice.finish_reason, choice.stop_reason = delta.finish_reason, delta.stop_reason
-        if delta.finish_reason in ("error", "abort", "preempted"):
-            raise ServiceError(ErrorCode.UNAVAILABLE, f"generation failed: {delta.error or delta.finish_reason}")
 
 
 def usage(choices: list[Choice]) -> dict[str, Any]:

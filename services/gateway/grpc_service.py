@@ -7,7 +7,7 @@ import uuid
 from proto import gateway_pb2, gateway_pb2_grpc
 from services.common.errors import ErrorCode, ServiceError
 from services.common.grpc_util import handles_errors
-from services.common.messages import delta_to_proto
+from services.common.messages import fill_delta
 from services.gateway import validation
 from services.gateway.core import GatewayCore, usage
 
@@ -40,9 +40,12 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
         core.admit()
         try:
             choices = {}
+            response = gateway_pb2.GenerateResponse
             async for choice, delta in core.generate([prompt], params, request_id):
                 choices[choice.index] = choice
-                yield gateway_pb2.GenerateResponse(request_id=request_id, delta=delta_to_proto(delta))
+                msg = response(request_id=request_id)
+                fill_delta(msg.delta, delta)  # written in place: no submessage built and copied
+                yield msg
             u = usage(list(choices.values()))
             yield gateway_pb2.GenerateResponse(
                 request_id=request_id,

@@ -17,13 +17,14 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from services.common.errors import ErrorCode, ServiceError
 from services.gateway import validation
 from services.gateway.core import Choice, GatewayCore, usage
+from services.gateway.event_streams import chat_events, completion_events
 from services.gateway.protocol import ChatCompletionRequest, CompletionRequest
 from services.gateway.responses import Formatter, error_body, service_error_body
 
@@ -32,12 +33,13 @@ logger = logging.getLogger(__name__)
 _DISCONNECT_POLL_S = 0.5
 
 
-def build_app(core: GatewayCore, on_metrics=None) -> FastAPI:
-    """`on_metrics`: an async callable run before each /metrics scrape (refreshes worker load)."""
+def build_app(core: GatewayCore, on_metrics=None, metrics_registry=None) -> FastAPI:
+    """`on_metrics`: an async callable run before each /metrics scrape; `metrics_registry`: what
+    /metrics serves (default: this process's registry; with several API processes, all of theirs)."""
     app = FastAPI(title="DeepInfer Cluster", docs_url=None, redoc_url=None)
     app.state.core = core
     _add_error_handlers(app)
-    _add_info_routes(app, core, on_metrics)
+    _add_info_routes(app, core, on_metrics, metrics_registry or REGISTRY)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -65,7 +67,7 @@ def _add_error_handlers(app: FastAPI) -> None:
         return JSONResponse(error_body(e.status_code, str(e.detail)), status_code=e.status_code)
 
 
-def _add_info_routes(app: FastAPI, core: GatewayCore, on_metrics) -> None:
+def _add_info_routes(app: FastAPI, core: GatewayCore, on_metrics, metrics_registry) -> None:
     @app.get("/health")
     async def health():
         ready, detail = await core.ready()
@@ -77,7 +79,7 @@ def _add_info_routes(app: FastAPI, core: GatewayCore, on_metrics) -> None:
     async def metrics():
         if on_metrics is not None:
             await on_metrics()
-        return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
+        return Response(generate_latest(metrics_registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
     async def models(request: Request):
@@ -177,13 +179,9 @@ def _sampling_fields(body, logprobs, max_tokens=None) -> dict[str, Any]:
 
 async def _respond(request, core, prompts, params, fmt, stream, include_usage, chat):
     if stream:
-        core.check_capacity()  # counted in when the stream starts: a stream never started holds nothing
-        events = (
-            _chat_events(core, prompts, params, fmt, include_usage)
-            if chat
-            else _completion_events(core, prompts, params, fmt, include_usage)
-        )
-        return StreamingResponse(_counted(core, events), media_type="text/event-stream")
+        core.admit()  # counted in now (429 while a status can still say so); `_AdmittedStream` lets go
+        events = (chat_events if chat else completion_events)(core, prompts, params, fmt, include_usage)
+        return _AdmittedStream(core, events)
     core.admit()
     try:
         choices = await _until_disconnect(request, _collect(core, prompts, params, fmt.id))
@@ -216,57 +214,16 @@ async def _until_disconnect(request: Request, coro):
             task.cancel()
 
 
-async def _counted(core: GatewayCore, events: AsyncIterator[str]) -> AsyncIterator[str]:
-    core.active += 1
-    try:
-        async for event in events:
-            yield event
-    finally:
-        core.release()
+class _AdmittedStream(StreamingResponse):
+    """An SSE stream admitted before it starts: it lets go of its place once the response is over,
+    whether the stream ran to its end, failed, or never started (the client left before it did)."""
 
+    def __init__(self, core: GatewayCore, events: AsyncIterator[bytes]):
+        super().__init__(events, media_type="text/event-stream")
+        self._core = core
 
-# Characters JSON leaves raw that common clients read as line ends (httpx's `iter_lines` and Python's
-# `str.splitlines` split on them), which would cut an event in two: a generated token can be one.
-_LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
-
-
-def _sse(obj: dict[str, Any]) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False).translate(_LINE_BREAKS)}\n\n"
-
-
-async def _completion_events(core, prompts, params, fmt: Formatter, include_usage: bool) -> AsyncIterator[str]:
-    choices: dict[int, Choice] = {}
-    try:
-        async for choice, delta in core.generate(prompts, params, fmt.id):
-            choices[choice.index] = choice
-            yield _sse(fmt.completion_chunk(choice, delta))
-        if include_usage:
-            yield _sse(fmt.usage_chunk("text_completion", usage(list(choices.values()))))
-    except ServiceError as e:
-        yield _sse(service_error_body(e))
-    except Exception as e:  # a bug: still end the stream with an error the client can read
-        logger.exception("stream failed")
-        yield _sse(error_body(500, f"internal error: {type(e).__name__}: {e}"))
-    yield "data: [DONE]\n\n"
-
-
-async def _chat_events(core, prompts, params, fmt: Formatter, include_usage: bool) -> AsyncIterator[str]:
-    choices: dict[int, Choice] = {}
-    try:
-        async for choice, delta in core.generate(prompts, params, fmt.id):
-            if choice.index not in choices:
-                choices[choice.index] = choice
-                yield _sse(fmt.chat_chunk(choice.index, {"role": "assistant", "content": ""}, None))
-            content = {"content": delta.text} if delta.text else {}
-            if content or delta.logprobs or delta.finished:
-                yield _sse(
-                    fmt.chat_chunk(choice.index, content, delta.finish_reason, delta.logprobs, delta.stop_reason)
-                )
-        if include_usage:
-            yield _sse(fmt.usage_chunk("chat.completion.chunk", usage(list(choices.values()))))
-    except ServiceError as e:
-        yield _sse(service_error_body(e))
-    except Exception as e:  # a bug: still end the stream with an error the client can read
-        logger.exception("stream failed")
-        yield _sse(error_body(500, f"internal error: {type(e).__name__}: {e}"))
-    yield "data: [DONE]\n\n"
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._core.release()

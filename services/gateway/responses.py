@@ -1,11 +1,12 @@
-"""OpenAI response bodies and stream chunks, built from `Choice`s and deltas."""
+"""OpenAI response bodies, logprob layouts and the stream's usage chunk, built from `Choice`s
+(the stream's per-token chunks are `chunks.py`'s)."""
 
 from __future__ import annotations
 
 import time
 from typing import Any, Optional
 
-from services.common.deltas import SampleDelta, TokenLogprob
+from services.common.deltas import TokenLogprob
 from services.common.errors import ServiceError
 from services.gateway.core import Choice
 
@@ -49,9 +50,14 @@ class Formatter:
         self.created = int(time.time())
         self.top_logprobs = top_logprobs
         """How many alternatives to list per token; None = no logprobs."""
+        self._tokens: dict[int, str] = {}
+        """Token id -> its text, decoded once per request (each listed token and alternative)."""
 
     def token(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+        text = self._tokens.get(token_id)
+        if text is None:
+            text = self._tokens[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
+        return text
 
     def _top(self, lp: TokenLogprob) -> list[tuple[int, float]]:
         ranked = sorted(lp.top.items(), key=lambda kv: -kv[1])
@@ -92,24 +98,6 @@ class Formatter:
             "usage": usage,
         }
 
-    def completion_chunk(self, choice: Choice, delta: SampleDelta) -> dict[str, Any]:
-        return {
-            "id": self.id,
-            "object": "text_completion",
-            "created": self.created,
-            "model": self.model,
-            "choices": [
-                {
-                    "index": choice.index,
-                    "text": delta.text,
-                    "logprobs": self.completion_logprobs(delta.logprobs or [], len(choice.text) - len(delta.text)),
-                    "finish_reason": delta.finish_reason,
-                    "stop_reason": delta.stop_reason,
-                }
-            ],
-            "usage": None,
-        }
-
     # ---- /v1/chat/completions ------------------------------------------------------------------
     def chat_logprobs(self, lps: list[TokenLogprob]) -> Optional[dict[str, Any]]:
         if self.top_logprobs is None:
@@ -143,24 +131,6 @@ class Formatter:
                 for c in sorted(choices, key=lambda c: c.index)
             ],
             "usage": usage,
-        }
-
-    def chat_chunk(self, index: int, delta: dict[str, Any], finish: Optional[str], lps=None, stop=None) -> dict:
-        return {
-            "id": self.id,
-            "object": "chat.completion.chunk",
-            "created": self.created,
-            "model": self.model,
-            "choices": [
-                {
-                    "index": index,
-                    "delta": delta,
-                    "logprobs": self.chat_logprobs(lps) if lps else None,
-                    "finish_reason": finish,
-                    "stop_reason": stop,
-                }
-            ],
-            "usage": None,
         }
 
     def usage_chunk(self, obj: str, usage: dict[str, Any]) -> dict[str, Any]:

@@ -2,7 +2,9 @@
 
 Request-level histograms are observed where the request is seen whole (the gateway); stage
 latencies where the stage is (router: KV transfer, queue); engine load is read from
-`WorkerLoad` snapshots by `load_collector.py` on each scrape.
+`WorkerLoad` snapshots by `load_collector.py` on each scrape. With several API processes
+(`multiprocess.py`) each metric here is summed over the processes: a Gauge added here needs the
+`multiprocess_mode` that says how to combine it.
 """
 
 from __future__ import annotations
@@ -100,3 +102,9 @@ KV_HANDOFF_EXPOSED_SECONDS = Histogram(
     buckets=_LATENCY_BUCKETS,
 )
 KV_TRANSFER_BYTES = Counter("deepinfer:kv_transfer_bytes_total", "KV bytes written prefill to decode.", ["worker"])
+
+API_PROCESS_REQUESTS = Counter(
+    "deepinfer:api_process_requests_total",
+    "Requests each API process (0 = the head; `--api-workers`) admitted, or refused at the concurrency limit.",
+    ["process", "outcome"],
+)

@@ -1,7 +1,9 @@
 """Engine load as Prometheus metrics, read from `WorkerLoad` snapshots at scrape time.
 
 A worker exposes its own snapshot; the gateway exposes every registered worker's (the
-router polls them). Labels: role (prefill / decode / colocated) and worker id.
+router polls them; `registry_source`). Labels: role (prefill / decode / colocated) and worker id.
+These are read, not counted: with several API processes each reports its own router's view of
+every worker once, and they are never summed across processes (`multiprocess.py`).
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ from collections.abc import Callable
 
 from prometheus_client.core import REGISTRY, CounterMetricFamily, GaugeMetricFamily
 
-from services.common.workers import WorkerLoad
+from services.common.workers import POOL_NAMES, WorkerLoad
 
 LoadSource = Callable[[], list[tuple[str, str, WorkerLoad]]]
 """Returns (role, worker id, load) per worker."""
@@ -54,12 +56,17 @@ class _LoadCollector:
             yield family
 
 
-_collector = _LoadCollector()
-REGISTRY.register(_collector)
+load_collector = _LoadCollector()
+REGISTRY.register(load_collector)
 
 
 def add_load_source(source: LoadSource) -> None:
     _sources.append(source)
+
+
+def registry_source(registry) -> LoadSource:
+    """Every worker of a router's `PoolRegistry`, with the load it last reported."""
+    return lambda: [(POOL_NAMES[h.info.pool], h.worker_id, h.load) for h in list(registry.workers.values())]
 
 
 def remove_load_source(source: LoadSource) -> None:

@@ -2,10 +2,17 @@
 
 The router core only sees `WorkerClient`; `GrpcWorkerClient` is what runs in the cluster,
 `LocalWorkerClient` calls a worker core directly (tests drive the router without gRPC).
+
+A streaming worker's deltas come through one subscription per worker (`subscription.py`): one
+message per engine turn for all of this router's requests there, each delta dispatched to its
+request's inbox (`inbox.py`), which `stream` and `generate` read. A request's inbox is in place
+before the request is sent, so no delta arrives unowned.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from collections.abc import AsyncIterator
 from typing import Optional, Protocol
 
@@ -15,6 +22,7 @@ from deepinfer_core.sampling_params import SamplingParams
 from deepinfer_core.transfer.messages import KVRegion, KVTarget
 from proto import common_pb2, worker_pb2, worker_pb2_grpc
 from services.common.deltas import SampleDelta
+from services.common.errors import ServiceError
 from services.common.grpc_util import channel, error_from_rpc
 from services.common.messages import (
     delta_from_proto,
@@ -27,6 +35,13 @@ from services.common.messages import (
 from services.common.params import params_to_proto
 from services.common.prefill_result import PrefillResult
 from services.common.workers import WorkerInfo, WorkerLoad
+from services.router.inbox import RequestInbox
+from services.router.subscription import DeltaSubscription, new_subscriber_id
+
+logger = logging.getLogger(__name__)
+
+_SUBSCRIBE_TIMEOUT_S = 10.0
+"""The longest a request waits for its worker's subscription to open."""
 
 
 class WorkerClient(Protocol):
@@ -58,21 +73,42 @@ class WorkerClient(Protocol):
 
 
 class GrpcWorkerClient:
-    def __init__(self, info: WorkerInfo):
+    """`batched`: take a streaming worker's deltas through a subscription (False, or a worker
+    without `Subscribe`: each request's own `Stream` / `Generate` call)."""
+
+    def __init__(self, info: WorkerInfo, batched: bool = True):
         self.name = f"{info.pool_name} worker {info.worker_id} ({info.address})"
+        self.worker_id = info.worker_id
+        self.batched = batched
         self._channel = channel(info.address)
         self._prefill = worker_pb2_grpc.PrefillStub(self._channel)
         self._decode = worker_pb2_grpc.DecodeStub(self._channel)
         self._worker = worker_pb2_grpc.WorkerStub(self._channel)
+        self._inboxes: dict[str, RequestInbox] = {}
+        """request id -> inbox of every request of this worker that is read through the subscription."""
+        self._subscription: Optional[DeltaSubscription] = None
+        self._subscribing = asyncio.Lock()
+        self._subscribe_attempts = 0
+        self._subscribe_error: Optional[ServiceError] = None
+        """Why the last attempt to subscribe failed: requests that waited for it fail the same way."""
 
     async def reserve(self, request_id, prompt, params, lease_s, timeout) -> KVTarget:
+        inbox = await self._open_inbox(request_id, timeout)
         req = worker_pb2.ReserveRequest(
-            request_id=request_id, prompt_token_ids=prompt, params=params_to_proto(params), lease_s=lease_s
+            request_id=request_id,
+            prompt_token_ids=prompt,
+            params=params_to_proto(params),
+            lease_s=lease_s,
+            subscriber_id=inbox.subscription.subscriber_id if inbox else "",
         )
         try:
             reply = await self._decode.Reserve(req, timeout=timeout)
         except grpc.aio.AioRpcError as e:
+            self._drop(request_id)
             raise error_from_rpc(e, self.name) from None
+        except BaseException:
+            self._drop(request_id)
+            raise
         return target_from_proto(reply.kv_target)
 
     async def prefill(self, request_id, prompt, params, kv_target, timeout) -> PrefillResult:
@@ -88,15 +124,84 @@ class GrpcWorkerClient:
             raise error_from_rpc(e, self.name) from None
         return prefill_result_from_proto(reply)
 
-    async def stream(self, request_id, timeout) -> AsyncIterator[SampleDelta]:
-        call = self._decode.Stream(worker_pb2.StreamRequest(request_id=request_id), timeout=timeout)
-        async for msg in self._read(call):
-            yield msg
+    def stream(self, request_id, timeout) -> AsyncIterator[SampleDelta]:
+        inbox = self._inboxes.get(request_id)
+        if inbox is None:  # reserved without a subscription
+            return self._read(self._decode.Stream(worker_pb2.StreamRequest(request_id=request_id), timeout=timeout))
+        return self._relay(request_id, inbox, asyncio.get_running_loop().time() + timeout)
 
     async def generate(self, request_id, prompt, params, timeout) -> AsyncIterator[SampleDelta]:
+        deadline = asyncio.get_running_loop().time() + timeout
+        inbox = await self._open_inbox(request_id, timeout)
         req = worker_pb2.GenerateWork(request_id=request_id, prompt_token_ids=prompt, params=params_to_proto(params))
-        async for msg in self._read(self._decode.Generate(req, timeout=timeout)):
+        if inbox is None:
+            async for msg in self._read(self._decode.Generate(req, timeout=timeout)):
+                yield msg
+            return
+        req.subscriber_id = inbox.subscription.subscriber_id
+        try:
+            await self._decode.Submit(req, timeout=max(0.0, deadline - asyncio.get_running_loop().time()))
+        except grpc.aio.AioRpcError as e:
+            self._drop(request_id)
+            raise error_from_rpc(e, self.name) from None
+        except BaseException:
+            self._drop(request_id)
+            raise
+        async for msg in self._relay(request_id, inbox, deadline):
             yield msg
+
+    # ---- the subscription ----------------------------------------------------------------------
+    async def _open_inbox(self, request_id: str, timeout: float) -> Optional[RequestInbox]:
+        """The request's inbox on this worker's subscription (opened if need be); None when the
+        request is to be read through its own call."""
+        if not self.batched:
+            return None
+        subscription = self._subscription
+        if subscription is None or subscription.broken:
+            subscription = await self._subscribe(min(timeout, _SUBSCRIBE_TIMEOUT_S))
+            if subscription is None:
+                return None
+        inbox = self._inboxes[request_id] = subscription.inbox()
+        return inbox
+
+    async def _subscribe(self, timeout: float) -> Optional[DeltaSubscription]:
+        attempts = self._subscribe_attempts
+        async with self._subscribing:  # concurrent first requests share one subscription
+            subscription = self._subscription
+            if not self.batched:
+                return None
+            if subscription is not None and not subscription.broken:  # another request opened it
+                return subscription
+            failed = self._subscribe_error
+            if failed is not None and self._subscribe_attempts != attempts:  # it failed while we waited
+                raise ServiceError(failed.code, failed.message)
+            self._subscribe_attempts += 1
+            try:
+                subscription = await DeltaSubscription.open(
+                    self._decode, new_subscriber_id(self.worker_id), self.name, self._inboxes, timeout
+                )
+            except ServiceError as e:
+                self._subscribe_error = e
+                raise
+            self._subscribe_error = None
+            if subscription is None:
+                logger.info("%s has no Subscribe: reading each request's own stream", self.name)
+                self.batched = False
+            self._subscription = subscription
+            return subscription
+
+    async def _relay(self, request_id: str, inbox: RequestInbox, deadline: float) -> AsyncIterator[SampleDelta]:
+        inbox.expire_at(asyncio.get_running_loop(), deadline, self.name)
+        try:
+            async for delta in inbox.deltas():
+                yield delta
+        finally:
+            self._drop(request_id, inbox)
+
+    def _drop(self, request_id: str, inbox: Optional[RequestInbox] = None) -> None:
+        """Let go of a request's inbox: later deltas for it are ignored."""
+        if inbox is None or self._inboxes.get(request_id) is inbox:
+            self._inboxes.pop(request_id, None)
 
     async def _read(self, call) -> AsyncIterator[SampleDelta]:
         try:
@@ -109,6 +214,8 @@ class GrpcWorkerClient:
 
     async def abort(self, request_id, prefill: bool) -> bool:
         stub = self._prefill if prefill else self._decode
+        if not prefill:
+            self._drop(request_id)
         try:
             return (await stub.Abort(worker_pb2.AbortRequest(request_id=request_id), timeout=5)).found
         except grpc.aio.AioRpcError:
@@ -136,6 +243,8 @@ class GrpcWorkerClient:
             raise error_from_rpc(e, self.name) from None
 
     async def close(self) -> None:
+        if self._subscription is not None:
+            await self._subscription.close()
         await self._channel.close()
 
 

@@ -33,6 +33,9 @@ class RouterCore:
         self.model = model
         self.prefill_policy = PrefillPolicy(config.prefill_buckets)
         self.decode_policy = DecodePolicy()
+        self.notes: dict[str, str] = {}
+        """What the controller reports about the pools (an engine waiting for a node), by topic;
+        added to the readiness detail."""
         self._background: set[asyncio.Task] = set()
         self._poller: Optional[asyncio.Task] = None
 
@@ -60,12 +63,12 @@ class RouterCore:
         samples = split_samples(params)
         assemblers = [SampleAssembler(i, holdback) for i in range(len(samples))]
         flows = [SampleFlow(self, request_id, i, prompt, p, deadline) for i, p in enumerate(samples)]
-        stream = merge([f.deltas() for f in flows])
+        many = len(flows) > 1  # one sample (n = 1) is read directly, without the merge's tasks and queue
+        stream = merge([f.deltas() for f in flows]) if many else flows[0].deltas()
         try:
-            async for index, delta in stream:
-                asm = assemblers[index]
-                asm.apply(delta)
-                out = asm.take()
+            async for item in stream:
+                index, delta = item if many else (0, item)
+                out = assemblers[index].push(delta)
                 if out is not None:
                     yield out
         finally:
@@ -140,6 +143,7 @@ class RouterCore:
     def ready(self) -> tuple[bool, str]:
         pools = self.config.pools or ((POOL_PREFILL, POOL_DECODE) if self.disaggregated() else (POOL_COLOCATED,))
         missing = [POOL_NAMES[p] for p in pools if not self.registry.pool(p)]
+        notes = "".join(f"; {note}" for _, note in sorted(self.notes.items()))
         if missing:
-            return False, f"waiting for a ready worker in pool(s): {', '.join(missing)}"
-        return True, "ok"
+            return False, f"waiting for a ready worker in pool(s): {', '.join(missing)}{notes}"
+        return True, f"ok{notes}"

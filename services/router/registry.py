@@ -4,6 +4,10 @@ The router is the only dispatcher, so it counts exactly what it has sent to each
 (`inflight`, `inflight_tokens`); the workers' own reports (polled `Stats`) add what only the
 engine knows (free blocks, prefix hits) and tell whether a worker is alive. A worker that
 misses `max_failures` polls in a row is removed.
+
+A `RegistryMirror` feeds a registry from another router's membership instead of from workers
+registering: each extra API process of `deepinfer serve --api-workers N` routes on its own, over
+the workers that registered with the head.
 """
 
 from __future__ import annotations
@@ -51,13 +55,25 @@ class PoolRegistry:
         self._changed = asyncio.Event()
 
     # ---- membership ------------------------------------------------------------------------
-    async def add(self, info: WorkerInfo, client: Optional[WorkerClient] = None) -> WorkerHandle:
+    async def add(
+        self, info: WorkerInfo, client: Optional[WorkerClient] = None, connect_peers: bool = True
+    ) -> WorkerHandle:
         """A worker joins its pool; PEs connect to every CE's transfer agent and prepare its
-        descriptors now, not on a request's path."""
+        descriptors now, not on a request's path (unless `connect_peers` is False: a mirror's
+        workers were connected by the router they registered with)."""
         old = self.workers.pop(info.worker_id, None)
         if old is not None:
             await old.client.close()
         handle = WorkerHandle(info, client or self.client_factory(info))
+        if connect_peers:
+            await self._connect_peers(handle)
+        self.workers[info.worker_id] = handle
+        logger.info("worker %s joined the %s pool at %s", info.worker_id, info.pool_name, info.address)
+        self._notify()
+        return handle
+
+    async def _connect_peers(self, handle: WorkerHandle) -> None:
+        info = handle.info
         if info.pool == POOL_DECODE and info.agent_name:
             for pe in self.pool(POOL_PREFILL, ready_only=False):
                 await self._connect(pe, info)
@@ -65,10 +81,6 @@ class PoolRegistry:
             for ce in self.pool(POOL_DECODE, ready_only=False):
                 if ce.info.agent_name:
                     await self._connect(handle, ce.info)
-        self.workers[info.worker_id] = handle
-        logger.info("worker %s joined the %s pool at %s", info.worker_id, info.pool_name, info.address)
-        self._notify()
-        return handle
 
     async def _connect(self, pe: WorkerHandle, ce: WorkerInfo) -> None:
         """Connect the PE to the CE and prepare the CE's transfer descriptors on it (given its region)."""
@@ -134,3 +146,29 @@ class PoolRegistry:
     async def close(self) -> None:
         for worker_id in list(self.workers):
             await self.remove(worker_id)
+
+
+class RegistryMirror:
+    """Keeps a registry's membership the copy of another router's: workers are added and removed as
+    that router lists them (`Router.Status`), drained when it drains them. Load and health stay this
+    registry's own (it polls each worker itself), and a worker it dropped for missed polls is not
+    taken back while the other router still lists it unchanged (that router will drop it too)."""
+
+    def __init__(self, registry: PoolRegistry):
+        self.registry = registry
+        self._mirrored: dict[str, WorkerInfo] = {}
+        """What the other router listed at the last `apply`, by worker id."""
+
+    async def apply(self, listed: list[tuple[WorkerInfo, str]]) -> None:
+        """Bring the registry to `listed`: (info, state) of every worker of the other router."""
+        upstream = {info.worker_id: (info, state) for info, state in listed}
+        for worker_id in [w for w in self._mirrored if w not in upstream]:
+            del self._mirrored[worker_id]
+            await self.registry.remove(worker_id)
+        for worker_id, (info, state) in upstream.items():
+            if self._mirrored.get(worker_id) != info:  # new, or registered again (a new address or pid)
+                self._mirrored[worker_id] = info
+                await self.registry.add(info, connect_peers=False)
+            handle = self.registry.workers.get(worker_id)
+            if handle is not None and state == DRAINING and handle.state != DRAINING:
+                self.registry.drain(worker_id)

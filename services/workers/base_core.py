@@ -23,7 +23,6 @@ class WorkerCore:
         self.loop = loop or asyncio.get_running_loop()
         self.host = EngineHost(engine, self.loop, self._on_turn)
         self.draining = False
-        self.num_open_streams = 0
 
     @property
     def engine(self):
@@ -34,6 +33,10 @@ class WorkerCore:
 
     def stop(self) -> None:
         self.host.stop()
+
+    def end_subscriptions(self) -> None:
+        """The server is about to stop: let go of readers that wait for no more work (a
+        subscription holds its call open for as long as it lasts)."""
 
     # ---- requests -----------------------------------------------------------------------
     def check_accepting(self) -> None:
@@ -49,6 +52,14 @@ class WorkerCore:
             await self.host.run(_abort, request_id)
         return found
 
+    def abort_soon(self, request_id: str) -> bool:
+        """`abort` without waiting for the engine (from code that cannot await, such as a
+        subscription's cleanup); the engine drops the request before its next step."""
+        found = self._forget(request_id)
+        if self.host.alive:
+            self.host.call(_abort, request_id)
+        return found
+
     def _forget(self, request_id: str) -> bool:
         """Drop the core's own record of a request; False when it had none."""
         return False
@@ -57,9 +68,13 @@ class WorkerCore:
         """Runs on the loop after each engine turn that produced something."""
 
     # ---- state ----------------------------------------------------------------------------
+    def open_streams(self) -> int:
+        """Requests whose output a reader is waiting for."""
+        return 0
+
     def stats(self) -> WorkerLoad:
         return dataclasses.replace(
-            self.host.load, worker_id=self.worker_id, draining=self.draining, open_streams=self.num_open_streams
+            self.host.load, worker_id=self.worker_id, draining=self.draining, open_streams=self.open_streams()
         )
 
     def health(self) -> tuple[bool, str]:

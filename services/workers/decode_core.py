@@ -1,8 +1,13 @@
 """The core of a worker whose engine streams tokens: a decode engine (CE) or a NORMAL one.
 
 A CE reserves KV blocks (`reserve`), receives the prompt's KV and first token from a PE, and
-streams the rest (`stream`): the first token reached the client with the PE's reply, so the
-stream starts after it. A NORMAL engine prefills and decodes a request itself (`generate`).
+streams the rest: the first token reached the client with the PE's reply, so the stream starts
+after it. A NORMAL engine prefills and decodes a request itself (`submit`, `generate`).
+
+Deltas reach a router through its subscription (`open_subscription`): one batch per engine turn
+holding every new delta of the requests it reserved or submitted under its subscriber id. A
+request without a subscriber is read through its own stream (`stream`, `generate`): one message
+per delta, for clients that read one request at a time.
 """
 
 from __future__ import annotations
@@ -17,26 +22,83 @@ from deepinfer_core.transfer.messages import KVTarget
 from services.common.deltas import SampleDelta
 from services.common.errors import ErrorCode, ServiceError, engine_error
 from services.workers.base_core import WorkerCore
-from services.workers.streams import OutputStreams
+from services.workers.streams import Outbox, OutputStreams
 
 
 class DecodeCore(WorkerCore):
     def __init__(self, engine, worker_id: str = "", loop=None):
         super().__init__(engine, worker_id, loop)
         self.streams = OutputStreams()
+        self.subscribers: dict[str, Outbox] = {}
+        self._num_relays = 0
+        self._ending = False
+        """The server is stopping: subscriptions end as they go idle."""
 
+    # ---- subscriptions ------------------------------------------------------------------------
+    def open_subscription(self, subscriber_id: str) -> Outbox:
+        """A subscriber's outbox: requests may name `subscriber_id` from now on. Read it with
+        `Outbox.batches()`; end it with `close_subscription`."""
+        if not subscriber_id:
+            raise ServiceError(ErrorCode.INVALID_ARGUMENT, "a subscription needs a subscriber_id", "subscriber_id")
+        if subscriber_id in self.subscribers:
+            raise ServiceError(ErrorCode.FAILED_PRECONDITION, f"subscriber {subscriber_id!r} is already subscribed")
+        outbox = self.subscribers[subscriber_id] = Outbox(subscriber_id)
+        return outbox
+
+    def close_subscription(self, outbox: Outbox) -> None:
+        """The subscriber is gone (or is to be let go): abort every unfinished request it owns.
+        Nothing more is sent on it, not even those aborts: its reader fails them itself."""
+        if self.subscribers.get(outbox.owner) is outbox:
+            del self.subscribers[outbox.owner]
+        for request_id in list(outbox.requests):
+            self.abort_soon(request_id)
+        outbox.items.clear()
+        outbox.close()
+
+    def end_subscriptions(self) -> None:
+        """End each subscription once it owns no unfinished request (now, or as its last one
+        finishes), after what it has queued is sent: the server's graceful stop need not wait."""
+        self._ending = True
+        for outbox in list(self.subscribers.values()):
+            if not outbox.requests:
+                del self.subscribers[outbox.owner]
+                outbox.close()
+
+    def _outbox(self, subscriber_id: str) -> Optional[Outbox]:
+        """The subscriber's outbox ("" = none: the request is read through its own stream)."""
+        if not subscriber_id:
+            return None
+        outbox = self.subscribers.get(subscriber_id)
+        if outbox is None:
+            raise ServiceError(ErrorCode.UNAVAILABLE, f"worker {self.worker_id} has no subscription {subscriber_id!r}")
+        return outbox
+
+    # ---- requests -----------------------------------------------------------------------------
     async def reserve(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, lease_s: Optional[float] = None
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        lease_s: Optional[float] = None,
+        subscriber_id: str = "",
     ) -> KVTarget:
         """CE: reserve blocks for prompt + 1 tokens; the target tells a PE where to write.
-        `lease_s`: None takes the engine's `PDConfig.lease_s`."""
+        `lease_s`: None takes the engine's `PDConfig.lease_s`. `subscriber_id`: whose
+        subscription carries the deltas; "" = the request's own `stream`."""
         self._check_role(EngineType.COMPLETION, "Reserve")
-        self.streams.open(request_id, after_handoff=True)
+        self.streams.open(request_id, self._outbox(subscriber_id), after_handoff=True)
         try:
             return await self.host.run(_reserve, request_id, params, prompt_token_ids, lease_s)
         except EngineError as e:
             self.streams.close(request_id)
             raise engine_error(e) from None
+
+    async def submit(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, subscriber_id: str
+    ) -> None:
+        """NORMAL: admit a request whose deltas, from its first token, go to `subscriber_id`."""
+        self._check_role(EngineType.NORMAL, "Submit")
+        await self._add(request_id, prompt_token_ids, params, self._outbox(subscriber_id))
 
     def stream(self, request_id: str) -> AsyncIterator[SampleDelta]:
         """CE: the deltas after the hand-off's first token; a reader that goes away aborts the request."""
@@ -45,16 +107,19 @@ class DecodeCore(WorkerCore):
     async def generate(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
     ) -> AsyncIterator[SampleDelta]:
-        """NORMAL: every delta of the request, from its first token."""
+        """NORMAL: every delta of the request, from its first token, through its own stream."""
         self._check_role(EngineType.NORMAL, "Generate")
-        self.streams.open(request_id)
+        await self._add(request_id, prompt_token_ids, params, None)
+        async for delta in self._relay(request_id):
+            yield delta
+
+    async def _add(self, request_id, prompt_token_ids, params, outbox: Optional[Outbox]) -> None:
+        self.streams.open(request_id, outbox)
         try:
             await self.host.run(_add, request_id, params, prompt_token_ids)
         except EngineError as e:
             self.streams.close(request_id)
             raise engine_error(e) from None
-        async for delta in self._relay(request_id):
-            yield delta
 
     def _check_role(self, engine_type: EngineType, rpc: str) -> None:
         self.check_accepting()
@@ -65,24 +130,31 @@ class DecodeCore(WorkerCore):
             )
 
     async def _relay(self, request_id: str) -> AsyncIterator[SampleDelta]:
-        """The request's deltas until it finishes; a reader that goes away aborts the request."""
+        """A request's own stream until it finishes; a reader that goes away aborts the request."""
         finished = False
-        self.num_open_streams += 1
+        deltas = self.streams.deltas(request_id)
+        self._num_relays += 1
         try:
-            async for delta in self.streams.deltas(request_id):
+            async for delta in deltas:
                 finished = delta.finished
                 yield delta
         finally:
-            self.num_open_streams -= 1
+            self._num_relays -= 1
+            await deltas.aclose()
             if not finished and request_id in self.streams:
                 await self.abort(request_id)
 
+    # ---- the engine's side ------------------------------------------------------------------------
     def _forget(self, request_id: str) -> bool:
         return self.streams.close(request_id)
 
     def _on_turn(self, outputs: list, handoff_results: list) -> None:
-        for out in outputs:
-            self.streams.push(out)
+        self.streams.push(outputs)
+        if self._ending:
+            self.end_subscriptions()
+
+    def open_streams(self) -> int:
+        return self._num_relays + self.streams.num_subscribed()
 
 
 def _reserve(engine, request_id, params, prompt_token_ids, lease_s):

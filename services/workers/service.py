@@ -6,6 +6,7 @@ from proto import common_pb2, worker_pb2, worker_pb2_grpc
 from services.common.errors import ErrorCode, ServiceError
 from services.common.grpc_util import handles_errors
 from services.common.messages import (
+    batch_to_proto,
     delta_to_proto,
     load_to_proto,
     prefill_result_to_proto,
@@ -17,6 +18,10 @@ from services.common.params import params_from_proto
 from services.workers.base_core import WorkerCore
 from services.workers.decode_core import DecodeCore
 from services.workers.prefill_core import PrefillCore
+
+_SUBSCRIPTION_IDLE_S = 10.0
+"""An idle subscription sends an empty batch this often: a connection with no data on it for
+minutes is closed by the peer's keepalive policy (too many pings without data)."""
 
 
 def _params(request):
@@ -54,16 +59,36 @@ class PrefillService(worker_pb2_grpc.PrefillServicer):
 
 
 class DecodeService(worker_pb2_grpc.DecodeServicer):
-    """CE (Reserve / Stream / Abort) or NORMAL engine (Generate / Abort)."""
+    """CE (Reserve / Stream / Abort) or NORMAL engine (Submit, Generate / Abort); either one's
+    deltas through a subscriber's Subscribe call."""
 
     def __init__(self, core: DecodeCore):
         self.core = core
 
     @handles_errors
+    async def Subscribe(self, request, context):
+        outbox = self.core.open_subscription(request.subscriber_id)
+        try:
+            await context.send_initial_metadata(())  # the subscriber may name itself in requests now
+            async for items in outbox.batches(idle_s=_SUBSCRIPTION_IDLE_S):
+                yield batch_to_proto(items)
+        finally:
+            self.core.close_subscription(outbox)
+
+    @handles_errors
     async def Reserve(self, request, context):
         lease_s = request.lease_s or None  # 0: the engine's own lease
-        target = await self.core.reserve(request.request_id, list(request.prompt_token_ids), _params(request), lease_s)
+        target = await self.core.reserve(
+            request.request_id, list(request.prompt_token_ids), _params(request), lease_s, request.subscriber_id
+        )
         return worker_pb2.ReserveReply(kv_target=target_to_proto(target))
+
+    @handles_errors
+    async def Submit(self, request, context):
+        await self.core.submit(
+            request.request_id, list(request.prompt_token_ids), _params(request), request.subscriber_id
+        )
+        return worker_pb2.SubmitReply()
 
     @handles_errors
     async def Stream(self, request, context):

@@ -1,73 +1,149 @@
-"""Per-request output queues of a worker that streams (CE, NORMAL).
+"""Where a streaming worker's (CE, NORMAL) output goes: each request's deltas, made once per
+engine turn, into the outbox of whoever reads them.
 
-The queue opens when the request is admitted, before anyone reads it: a CE's first output
-(the hand-off) may come before the router opens its stream.
+An outbox is either a subscriber's (a router's `Subscribe` call: every request it reserved or
+submitted, one batch per turn) or a single request's own (`Stream` / `Generate`). A request is
+opened when it is admitted, before anyone reads it: a CE's first output (the hand-off) may come
+before the reader does.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import Optional
 
 from deepinfer_core.outputs import RequestOutput
 from services.common.deltas import OutputDiffer, SampleDelta
 from services.common.errors import ErrorCode, ServiceError
 
-_ABORTED = object()
+
+class Outbox:
+    """Deltas waiting for one reader, as (request id, delta) pairs in the order they were made."""
+
+    __slots__ = ("owner", "items", "requests", "closed", "_waiter")
+
+    def __init__(self, owner: str):
+        self.owner = owner
+        """The subscriber id, or the request id of a request's own stream."""
+        self.items: list[tuple[str, SampleDelta]] = []
+        self.requests: set[str] = set()
+        """Its unfinished requests: the ones to abort when the reader goes away."""
+        self.closed = False
+        self._waiter: Optional[asyncio.Future] = None
+
+    def put(self, request_id: str, delta: SampleDelta) -> None:
+        self.items.append((request_id, delta))
+        self._wake()
+
+    def close(self) -> None:
+        """No more items: the reader ends once it has taken what is here."""
+        self.closed = True
+        self._wake()
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def batches(self, idle_s: Optional[float] = None) -> AsyncIterator[list[tuple[str, SampleDelta]]]:
+        """Everything put since the last batch: one engine turn's deltas, or several turns' when
+        the reader fell behind. Ends after `close`. `idle_s`: after that long with nothing to
+        send, an empty batch (traffic that keeps an idle connection alive)."""
+        loop = asyncio.get_running_loop()
+        while True:
+            if self.items:
+                items, self.items = self.items, []
+                yield items
+            elif self.closed:
+                return
+            else:
+                self._waiter = loop.create_future()
+                timer = loop.call_later(idle_s, self._wake) if idle_s else None
+                await self._waiter
+                self._waiter = None
+                if timer is not None:
+                    timer.cancel()
+                    if not self.items and not self.closed:
+                        yield []
 
 
-@dataclass
-class _Stream:
-    after_handoff: bool
-    """The first output is a hand-off's: its token went to the client with the PE's reply."""
-    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+@dataclass(slots=True)
+class _Request:
+    outbox: Outbox
+    differ: Optional[OutputDiffer]
+    """None until the first output: a CE's hand-off, whose token the client already has."""
 
 
 class OutputStreams:
     def __init__(self):
-        self._streams: dict[str, _Stream] = {}
+        self._requests: dict[str, _Request] = {}
+        self._own: dict[str, Outbox] = {}
+        """Requests read through their own stream, until that stream ends (a request may finish
+        before its reader comes)."""
 
     def __contains__(self, request_id: str) -> bool:
-        return request_id in self._streams
+        return request_id in self._requests or request_id in self._own
 
     def __len__(self) -> int:
-        return len(self._streams)
+        return len(self._requests.keys() | self._own.keys())
 
-    def open(self, request_id: str, after_handoff: bool = False) -> None:
-        """`after_handoff`: the request's first output is a CE's hand-off, whose first token the
-        client already has; the stream starts after it."""
-        self._streams[request_id] = _Stream(after_handoff)
+    def open(self, request_id: str, outbox: Optional[Outbox] = None, after_handoff: bool = False) -> None:
+        """Track a request. `outbox`: its subscriber's; None gives it one of its own, read with
+        `deltas`. `after_handoff`: the first output is a CE's hand-off, whose first token the
+        client already has; the deltas start after it."""
+        if outbox is None:
+            outbox = self._own[request_id] = Outbox(request_id)
+        outbox.requests.add(request_id)
+        self._requests[request_id] = _Request(outbox, None if after_handoff else OutputDiffer())
 
-    def push(self, out: RequestOutput) -> None:
-        stream = self._streams.get(out.request_id)
-        if stream is not None:
-            stream.queue.put_nowait(out)
+    def push(self, outputs: list[RequestOutput]) -> None:
+        """One engine turn's outputs: each changed request's delta goes to its outbox."""
+        requests = self._requests
+        for out in outputs:
+            request = requests.get(out.request_id)
+            if request is None:
+                continue
+            sample = out.outputs[0]
+            differ = request.differ
+            if differ is None:  # the hand-off: only its end, if the first token ended the request
+                differ = request.differ = OutputDiffer.after(sample)
+            delta = differ.diff(sample, out.num_cached_tokens)
+            if delta is not None:
+                request.outbox.put(out.request_id, delta)
+            if out.finished:
+                del requests[out.request_id]
+                request.outbox.requests.discard(out.request_id)
 
     def close(self, request_id: str) -> bool:
-        """The request was aborted: a reader sees finish_reason 'abort'."""
-        stream = self._streams.pop(request_id, None)
-        if stream is not None:
-            stream.queue.put_nowait(_ABORTED)
-        return stream is not None
+        """The request was aborted: its reader sees finish_reason 'abort'. False when unknown."""
+        request = self._requests.pop(request_id, None)
+        if request is None:
+            own = self._own.get(request_id)  # finished, its reader not done yet: nothing to add
+            return own is not None
+        request.outbox.requests.discard(request_id)
+        differ = request.differ or OutputDiffer()
+        abort = SampleDelta(token_offset=differ.num_tokens, text_offset=len(differ.text), finish_reason="abort")
+        request.outbox.put(request_id, abort)
+        return True
+
+    def num_subscribed(self) -> int:
+        """Unfinished requests whose deltas go to a subscriber."""
+        return len(self._requests) - sum(1 for rid in self._own if rid in self._requests)
 
     async def deltas(self, request_id: str) -> AsyncIterator[SampleDelta]:
-        """The request's deltas until it finishes. Raises NOT_FOUND for an unknown request."""
-        stream = self._streams.get(request_id)
-        if stream is None:
+        """A request's own stream: its deltas until it finishes. Raises NOT_FOUND for a request
+        not opened with an outbox of its own."""
+        outbox = self._own.get(request_id)
+        if outbox is None:
             raise ServiceError(ErrorCode.NOT_FOUND, f"no request {request_id!r} on this worker")
-        differ = None if stream.after_handoff else OutputDiffer()
-        while True:
-            out = await stream.queue.get()
-            if out is _ABORTED:
-                differ = differ or OutputDiffer()
-                yield SampleDelta(token_offset=differ.num_tokens, text_offset=len(differ.text), finish_reason="abort")
-                return
-            if differ is None:  # the hand-off: only its end, if the first token ended the request
-                differ = OutputDiffer.after(out.outputs[0])
-            delta = differ.diff(out.outputs[0], out.num_cached_tokens)
-            if delta is not None:
-                yield delta
-            if out.finished:
-                self._streams.pop(request_id, None)
-                return
+        try:
+            async for items in outbox.batches():
+                for _, delta in items:
+                    yield delta
+                    if delta.finished:
+                        return
+        finally:
+            if self._own.get(request_id) is outbox:
+                del self._own[request_id]

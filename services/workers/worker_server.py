@@ -126,6 +126,7 @@ class WorkerServer:
 
     def stop(self, grace_s: float = 5.0) -> None:
         if self._server is not None:
+            self.loop.call_soon_threadsafe(self.core.end_subscriptions)  # else the grace waits for them
             self._run(self._server.stop(grace_s), grace_s + 5)
         if self.core is not None:
             self.core.stop()

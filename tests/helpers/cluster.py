@@ -13,6 +13,7 @@ from typing import Optional
 
 _READY = re.compile(r"OpenAI API at (http://\S+)/v1 , gRPC at (\S+) ")
 _RAY = re.compile(r"Ray cluster at (\S+)")
+_API_PROCESS = re.compile(r"API process (\d+) serving \(pid (\d+)\)")
 
 SMALL_ENGINE = ["--num-blocks", "512", "--block-size", "16", "--max-model-len", "512"]
 """Small KV caches: 512 blocks of 16 tokens per engine."""
@@ -52,6 +53,20 @@ class ServeProcess:
     @property
     def base_url(self) -> str:
         return f"{self.url}/v1"
+
+    def api_pids(self) -> dict[int, int]:
+        """Pid of each API process (`--api-workers`), the head's as 0; the latest start of each."""
+        pids = {0: self.proc.pid}
+        for line in list(self.lines):
+            match = _API_PROCESS.search(line)
+            if match:
+                pids[int(match.group(1))] = int(match.group(2))
+        return pids
+
+    def wait_for_output(self, pattern: str, timeout_s: float = 60.0) -> Optional[re.Match]:
+        """The first line of the server's output that matches `pattern`, waiting up to `timeout_s`."""
+        regex = re.compile(pattern)
+        return wait_until(lambda: next((m for m in map(regex.search, list(self.lines)) if m), None), timeout_s)
 
     def metric(self, name: str, **labels) -> float:
         """A metric of the gateway's /metrics now, summed over the series that carry `labels`."""

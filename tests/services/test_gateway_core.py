@@ -69,9 +69,9 @@ def test_a_streamed_event_stays_one_line_whatever_the_tokens() -> None:
     separators) still reaches an httpx `iter_lines` reader as one `data:` line that parses back."""
     from httpx._decoders import LineDecoder
 
-    from services.gateway.http_app import _sse
+    from services.gateway.chunks import sse
 
     chunk = {"choices": [{"index": 0, "text": "a\x85b\u2028c\u2029d\re\nf é"}]}
-    lines = [ln for ln in LineDecoder().decode(_sse(chunk)) if ln]
+    lines = [ln for ln in LineDecoder().decode(sse(chunk).decode()) if ln]
     assert len(lines) == 1 and lines[0].startswith("data: ")
     assert json.loads(lines[0][6:]) == chunk

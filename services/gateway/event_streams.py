@@ -1,0 +1,57 @@
+"""The SSE bodies of streamed /v1/completions and /v1/chat/completions: one event per delta the
+gateway core yields (deltas that were waiting together already come as one), the usage chunk
+when asked for, an error event if the stream fails after it started, then `[DONE]`."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+
+from services.common.errors import ServiceError
+from services.gateway.chunks import DONE, StreamChunks, sse
+from services.gateway.core import Choice, GatewayCore, usage
+from services.gateway.responses import Formatter, error_body, service_error_body
+
+logger = logging.getLogger(__name__)
+
+
+async def completion_events(
+    core: GatewayCore, prompts: list[list[int]], params, fmt: Formatter, include_usage: bool
+) -> AsyncIterator[bytes]:
+    chunks = StreamChunks(fmt, chat=False)
+    choices: dict[int, Choice] = {}
+    try:
+        async for choice, delta in core.generate(prompts, params, fmt.id):
+            choices[choice.index] = choice
+            yield chunks.completion(choice, delta)
+        if include_usage:
+            yield chunks.usage(usage(list(choices.values())))
+    except ServiceError as e:
+        yield sse(service_error_body(e))
+    except Exception as e:  # a bug: still end the stream with an error the client can read
+        logger.exception("stream failed")
+        yield sse(error_body(500, f"internal error: {type(e).__name__}: {e}"))
+    yield DONE
+
+
+async def chat_events(
+    core: GatewayCore, prompts: list[list[int]], params, fmt: Formatter, include_usage: bool
+) -> AsyncIterator[bytes]:
+    chunks = StreamChunks(fmt, chat=True)
+    choices: dict[int, Choice] = {}
+    try:
+        async for choice, delta in core.generate(prompts, params, fmt.id):
+            if choice.index not in choices:
+                choices[choice.index] = choice
+                yield chunks.chat_role(choice.index)
+            event = chunks.chat(choice, delta)
+            if event is not None:
+                yield event
+        if include_usage:
+            yield chunks.usage(usage(list(choices.values())))
+    except ServiceError as e:
+        yield sse(service_error_body(e))
+    except Exception as e:  # a bug: still end the stream with an error the client can read
+        logger.exception("stream failed")
+        yield sse(error_body(500, f"internal error: {type(e).__name__}: {e}"))
+    yield DONE

@@ -1,0 +1,75 @@
+"""One request's deltas on the router, between its worker's subscription and the request's reader.
+
+The subscription's reader puts each delta in (`put`, one append); the request's reader takes
+them out (`deltas`). A reader that fell behind takes everything queued as one merged delta, so
+a slow consumer costs one message downstream, not one per token. Cheaper than an
+`asyncio.Queue`: a deque and one waiter, no locks, no per-item futures.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from collections.abc import AsyncIterator
+from typing import Optional
+
+from proto import common_pb2
+from services.common.deltas import SampleDelta, merge
+from services.common.errors import ErrorCode, ServiceError
+from services.common.messages import delta_from_proto
+
+
+class RequestInbox:
+    __slots__ = ("subscription", "_queue", "_waiter", "_error", "_timer")
+
+    def __init__(self, subscription: object):
+        self.subscription = subscription
+        """The subscription that feeds it: when that breaks, so does the inbox."""
+        self._queue: deque[common_pb2.SampleDelta] = deque()
+        self._waiter: Optional[asyncio.Future] = None
+        self._error: Optional[ServiceError] = None
+        self._timer: Optional[asyncio.TimerHandle] = None
+
+    def put(self, msg: common_pb2.SampleDelta) -> None:
+        self._queue.append(msg)
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def fail(self, error: ServiceError) -> None:
+        """End the stream with `error` once what is queued has been taken (the first error wins)."""
+        if self._error is None:
+            self._error = error
+            waiter = self._waiter
+            if waiter is not None and not waiter.done():
+                waiter.set_result(None)
+
+    def expire_at(self, loop: asyncio.AbstractEventLoop, when: float, what: str) -> None:
+        """Fail with DEADLINE_EXCEEDED at loop time `when` (one timer per request, not a wait per delta)."""
+        self._timer = loop.call_at(when, self._expire, what)
+
+    def _expire(self, what: str) -> None:
+        self.fail(ServiceError(ErrorCode.DEADLINE_EXCEEDED, f"{what}: the request ran past its deadline"))
+
+    async def deltas(self) -> AsyncIterator[SampleDelta]:
+        """The request's deltas until one finishes it; raises the error it failed with."""
+        loop = asyncio.get_running_loop()
+        queue = self._queue
+        try:
+            while True:
+                if queue:
+                    delta = delta_from_proto(queue.popleft())
+                    while queue and not delta.finished:  # fell behind: one delta for all of it
+                        delta = merge(delta, delta_from_proto(queue.popleft()))
+                    yield delta
+                    if delta.finished:
+                        return
+                elif self._error is not None:  # a fresh exception: one error may end many inboxes
+                    raise ServiceError(self._error.code, self._error.message)
+                else:
+                    self._waiter = loop.create_future()
+                    await self._waiter
+                    self._waiter = None
+        finally:
+            if self._timer is not None:
+                self._timer.cancel()

@@ -14,7 +14,7 @@ import random
 
 from PIL import Image
 
-from services.bench.datasets import DatasetOptions, make_prompt, sample_len
+from services.bench.datasets.options import DatasetOptions, make_prompt, sample_len
 from services.bench.records import BenchRequest
 from services.bench.tokens import TokenSource
 

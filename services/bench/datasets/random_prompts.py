@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from services.bench.datasets import DatasetOptions, make_prompt, sample_len
+from services.bench.datasets.options import DatasetOptions, make_prompt, sample_len
 from services.bench.records import BenchRequest
 from services.bench.tokens import TokenSource
 

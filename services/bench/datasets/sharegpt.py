@@ -13,7 +13,7 @@ import json
 import random
 from typing import Any
 
-from services.bench.datasets import DatasetOptions
+from services.bench.datasets.options import DatasetOptions
 from services.bench.records import BenchRequest
 from services.bench.tokens import TokenSource
 

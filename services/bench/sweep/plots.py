@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from services.bench.sweep.runner import ConfigSweep, SweepPlan, goodput
+from services.bench.sweep.runner import ConfigSweep, SweepPlan, goodput, tail_label
 
 _COLORS = ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown", "tab:pink", "tab:gray")
 
@@ -78,7 +78,6 @@ def _cdf(plt, plan: SweepPlan, sweeps: list[ConfigSweep]):
 
 
 def _vs_rate(plt, plan: SweepPlan, sweeps: list[ConfigSweep]):
-    from services.bench.sweep.report import tail_label
 
     tail = tail_label(plan)
     figure, axes = plt.subplots(1, 2, figsize=(11, 4.2))

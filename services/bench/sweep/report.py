@@ -7,13 +7,7 @@ import json
 import os
 from typing import Any, Optional
 
-from services.bench.metrics import percentile_label
-from services.bench.sweep.runner import ConfigSweep, SweepPlan, goodput
-
-
-def tail_label(plan: SweepPlan) -> str:
-    """The highest percentile the runs report, e.g. "p99": the tables' tail column."""
-    return percentile_label(max(plan.bench.selection.percentiles))
+from services.bench.sweep.runner import ConfigSweep, SweepPlan, goodput, tail_label
 
 
 def write_report(plan: SweepPlan, sweeps: list[ConfigSweep]) -> list[str]:

@@ -9,7 +9,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from services.bench.metrics import slo_attainment
+from services.bench.metrics import percentile_label, slo_attainment
 from services.bench.models import first_model
 from services.bench.records import BenchRequest
 from services.bench.result import save_result
@@ -139,3 +139,8 @@ def _model_of(url: str) -> str:
         return first_model(url)
     except ValueError as e:
         raise ServerFailed(str(e)) from None
+
+
+def tail_label(plan: SweepPlan) -> str:
+    """The highest percentile the runs report, e.g. "p99": the tables' tail column."""
+    return percentile_label(max(plan.bench.selection.percentiles))

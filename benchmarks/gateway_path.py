@@ -30,10 +30,15 @@ import cProfile
 import gc
 import json
 import pstats
+import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
-from benchmarks.gateway_path_parts import CountingTransport, FakeGrpcContext, TurnSource, http_request
+if __package__ in (None, ""):  # run as a script: its sibling modules import as `benchmarks.X` from the repo root
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.gateway_path_parts import CountingTransport, FakeGrpcContext, TurnSource, http_request  # noqa: E402
 
 LEVELS = ("source", "router", "gateway", "sse", "http", "grpc")
 

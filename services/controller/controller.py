@@ -177,7 +177,10 @@ class ClusterController:
             reason = unplaceable_reason(pool, placement, waited, await asyncio.to_thread(ray.nodes))
             if time.monotonic() > deadline:
                 ready.cancel()
-                raise ServiceError(ErrorCode.DEADLINE_EXCEEDED, f"{worker_id} was never placed: {reason}")
+                why = reason or f"it had not started after {waited:.0f}s"
+                raise ServiceError(ErrorCode.DEADLINE_EXCEEDED, f"{worker_id} was never placed: {why}")
+            if reason is None:  # placed, still starting: nothing to report
+                continue
             if worker_id not in self.waiting:
                 logger.warning("%s: %s", worker_id, reason)
             self._set_waiting(worker_id, (pool, reason))

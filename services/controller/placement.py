@@ -36,8 +36,9 @@ class PoolPlacement:
         return options
 
 
-def unplaceable_reason(pool: int, placement: PoolPlacement, waited_s: float, nodes: list[dict]) -> str:
-    """Why an engine of `pool` has waited `waited_s` for a node, as the operator should read it.
+def unplaceable_reason(pool: int, placement: PoolPlacement, waited_s: float, nodes: list[dict]) -> Optional[str]:
+    """Why an engine of `pool` has waited `waited_s` for a node, as the operator should read it;
+    None when any live node can take it (it is placed and still starting, e.g. on a busy machine).
 
     `nodes`: `ray.nodes()`, each with `Alive` and `Resources` (the node's totals)."""
     name = POOL_NAMES[pool]
@@ -55,4 +56,6 @@ def unplaceable_reason(pool: int, placement: PoolPlacement, waited_s: float, nod
             f"({len(offering)}) is full"
         )
     gpus = placement.gpus or 0
+    if not gpus and alive:
+        return None  # no GPU, no custom resource: every live node can host it
     return f"{name} pool: an engine has waited {waited_s:.0f}s for a node with {gpus:g} free GPU(s)"

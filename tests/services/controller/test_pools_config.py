@@ -59,3 +59,11 @@ def test_an_engine_without_a_node_is_explained():
     assert "decode pool" in reason and "no node offers Ray resource 'deepinfer_decode'" in reason
     nodes.append({"Alive": True, "Resources": {"deepinfer_decode": 1.0}})
     assert "every node offering 'deepinfer_decode' (1) is full" in unplaceable_reason(POOL_DECODE, placement, 31, nodes)
+
+
+def test_an_engine_any_live_node_can_host_is_not_reported_as_unplaced():
+    """No GPU and no custom resource: a slow start on a busy machine is not a placement problem."""
+    nodes = [{"Alive": True, "Resources": {"CPU": 2.0}}]
+    assert unplaceable_reason(POOL_DECODE, PoolPlacement(), 31, nodes) is None
+    reason = unplaceable_reason(POOL_DECODE, PoolPlacement(gpus=1), 31, nodes)
+    assert "for a node with 1 free GPU(s)" in reason

@@ -104,26 +104,26 @@ class Bench:
         return SamplingParams(n=shape.n, max_tokens=tokens, logprobs=2 if shape.logprobs else None)
 
     async def one(self, level: str, i: int, shape: Shape, tokens: int) -> int:
-        """Run stream i at `level`; returns how many items its consumer read."""
+        """Run request i at `level`; returns how many items its consumers read."""
         prompts = [[(i + p) % 256, 1, 2, 3] for p in range(shape.prompts)]
         params = self.params(shape, tokens)
         rid = f"r{i}"
-        count = 0
-        if level == "source":
-            agen = self.source.generate(rid, prompts[0], params, 0)
+        if level == "source":  # what the router would open: one stream per prompt and sample
+            one = params.clone()
+            one.n = 1
+            pairs = [(p, ids, s) for p, ids in enumerate(prompts) for s in range(shape.n)]
+            readers = [self.source.generate(f"{rid}-{p}/{s}", ids, one, 0) for p, ids, s in pairs]
         elif level == "router":
-            agen = self.router.generate(rid, prompts[0], params)
+            readers = [self.router.generate(f"{rid}-{p}", ids, params) for p, ids in enumerate(prompts)]
         elif level == "gateway":
-            agen = self.gateway.generate(prompts, params, rid)
+            readers = [self.gateway.generate(prompts, params, rid)]
         elif level == "sse":
-            agen = event_stream(self.gateway, rid, prompts, params, shape)
+            readers = [event_stream(self.gateway, rid, prompts, params, shape)]
         elif level == "grpc":
             return await self._grpc(rid, prompts[0], shape, tokens)
         else:
             return await self._http(i, prompts, shape, tokens)
-        async for _ in agen:
-            count += 1
-        return count
+        return sum(await asyncio.gather(*(_drain(r) for r in readers)))
 
     async def _grpc(self, rid: str, prompt: list[int], shape: Shape, tokens: int) -> int:
         from proto import gateway_pb2
@@ -165,7 +165,7 @@ class Bench:
     # ---- a whole level --------------------------------------------------------------------------
     async def level(self, level: str, streams: int, shape: Shape, tokens: int) -> float:
         """CPU seconds for `streams` concurrent streams of `tokens` tokens at `level`."""
-        expected = streams * shape.n * shape.prompts
+        expected = streams * shape.n * (1 if level == "grpc" else shape.prompts)  # gRPC takes one prompt
         start = time.process_time()
         feeder = asyncio.ensure_future(self.source.run(expected))
         self.source.finished = 0
@@ -174,6 +174,13 @@ class Bench:
         spent = time.process_time() - start
         assert all(counts), f"a {level} stream read nothing"
         return spent
+
+
+async def _drain(stream) -> int:
+    count = 0
+    async for _ in stream:
+        count += 1
+    return count
 
 
 def event_stream(gateway, rid: str, prompts, params, shape: Shape):
@@ -190,6 +197,7 @@ async def measure(args, shape: Shape) -> dict[str, float]:
     bench = Bench(args.tokens_per_turn, args.http)
     await bench.start()
     tokens_total = args.streams * args.tokens * shape.n * shape.prompts
+    grpc_tokens = args.streams * args.tokens * shape.n  # a gRPC request has one prompt
     await bench.level("http", min(args.streams, 8), shape, args.tokens)  # warm caches and lazy imports
     result = {}
     for level in LEVELS:
@@ -197,7 +205,8 @@ async def measure(args, shape: Shape) -> dict[str, float]:
         for _ in range(args.repeat):
             gc.collect()
             runs.append(await bench.level(level, args.streams, shape, args.tokens))
-        result[level] = min(runs) / tokens_total * 1e6  # the least disturbed run (the machine may be shared)
+        tokens = grpc_tokens if level == "grpc" else tokens_total
+        result[level] = min(runs) / tokens * 1e6  # the least disturbed run (the machine may be shared)
     if args.profile:
         result["profile"] = await profile(bench, args, shape, tokens_total)
     if args.show_body:

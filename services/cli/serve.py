@@ -67,7 +67,41 @@ def add_parser(sub) -> None:
         default="127.0.0.1",
         help="address the router and the workers serve each other on; 'auto' = this node's IP (several machines)",
     )
+    _add_media_flags(p)
     p.set_defaults(func=run)
+
+
+def _add_media_flags(p) -> None:
+    from services.gateway.media import MediaLimits
+
+    g = p.add_argument_group("images (chat image_url parts)")
+    g.add_argument("--max-images-per-request", type=int, default=MediaLimits.max_images)
+    g.add_argument(
+        "--max-image-bytes", type=int, default=MediaLimits.max_image_bytes, help="bytes of one encoded image"
+    )
+    g.add_argument(
+        "--max-image-pixels", type=int, default=MediaLimits.max_image_pixels, help="width * height of one image"
+    )
+    g.add_argument(
+        "--allowed-media-dir", default=None, help="file:// image URLs are read from under this directory only"
+    )
+    g.add_argument(
+        "--allow-media-fetch", action="store_true", help="fetch http(s) image URLs (off: they are refused with 400)"
+    )
+
+
+def _media_limits(args: argparse.Namespace):
+    from services.gateway.media import MediaLimits
+
+    if args.max_images_per_request < 0 or args.max_image_bytes < 1 or args.max_image_pixels < 1:
+        raise ValueError("--max-images-per-request must be >= 0, --max-image-bytes and --max-image-pixels >= 1")
+    return MediaLimits(
+        max_images=args.max_images_per_request,
+        max_image_bytes=args.max_image_bytes,
+        max_image_pixels=args.max_image_pixels,
+        allowed_media_dir=args.allowed_media_dir,
+        allow_fetch=args.allow_media_fetch,
+    )
 
 
 def config_from_args(args: argparse.Namespace):
@@ -114,6 +148,7 @@ def config_from_args(args: argparse.Namespace):
         pools_config=args.pools_config,
         cluster_host=args.cluster_host,
         log_level=args.log_level.upper(),
+        media=_media_limits(args),
     )
 
 

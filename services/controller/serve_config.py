@@ -15,6 +15,7 @@ from services.common.limits import RequestLimits
 from services.common.workers import POOL_COLOCATED, POOL_DECODE, POOL_PREFILL
 from services.controller.controller import PoolSpec
 from services.gateway.core import GatewayConfig
+from services.gateway.media import MediaLimits, VisionInfo
 from services.router.config import RouterConfig
 from services.workers.spec import EngineSettings
 
@@ -53,6 +54,8 @@ class HeadConfig:
     cluster_host: str = "127.0.0.1"
     """Where the router and the workers serve each other; "auto" = this node's IP."""
     log_level: str = "WARNING"
+    media: MediaLimits = MediaLimits()
+    """What a request's images may be (count, size, where file:// URLs may point, http fetching)."""
 
     @property
     def model_path(self) -> str:
@@ -99,6 +102,8 @@ class HeadConfig:
             api_key=self.api_key,
             limits=self.limits,
             max_concurrent_requests=self.max_concurrent_requests,
+            media=self.media,
+            vision=VisionInfo.from_model(self.model_path),
         )
 
     def pool_spec(self) -> PoolSpec:

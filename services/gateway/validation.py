@@ -81,25 +81,9 @@ def encode_prompts(prompt: Any, tokenizer, vocab_size: int) -> list[list[int]]:
     return prompts
 
 
-_IMAGE_PARTS = ("image", "image_url")
-"""Content part types the chat template renders as an image placeholder."""
-
-
-def check_text_only(messages: list[dict[str, Any]]) -> None:
-    """Refuse image content parts, naming the first: this deployment carries no images to its
-    engines yet (no encoder on the request path), so a placeholder without its image would only
-    be refused later, by a prefill engine."""
-    for i, message in enumerate(messages):
-        content = message.get("content")
-        for j, part in enumerate(content if isinstance(content, list) else []):
-            kind = part.get("type") if isinstance(part, dict) else None
-            if kind in _IMAGE_PARTS:
-                where = f"messages[{i}].content[{j}]"
-                raise bad(f"{where} is an {kind!r} part: this server takes text only, images are not served", where)
-
-
 def encode_chat(messages: list[dict[str, Any]], tokenizer, add_generation_prompt: bool = True) -> list[int]:
-    check_text_only(messages)
+    """Prompt ids of a conversation; image parts become the template's placeholders (their
+    images: `media.chat_images`)."""
     try:
         return tokenizer.encode_chat(messages, add_generation_prompt=add_generation_prompt)
     except ValueError as e:

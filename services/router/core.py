@@ -52,17 +52,18 @@ class RouterCore:
 
     # ---- requests --------------------------------------------------------------------------
     async def generate(
-        self, request_id: str, prompt: list[int], params: SamplingParams, timeout_s: float = 0.0
+        self, request_id: str, prompt: list[int], params: SamplingParams, timeout_s: float = 0.0, images=()
     ) -> AsyncIterator[SampleDelta]:
         """Deltas of every sample as the client may see them (stop strings held back until
-        settled). Raises ServiceError; leaving early aborts the request everywhere."""
+        settled). Raises ServiceError; leaving early aborts the request everywhere. `images`:
+        encoded files, one per image placeholder run of `prompt` (expanded)."""
         self._validate(prompt, params)
         limit = self.config.limits.request_timeout_s
         deadline = time.monotonic() + min(timeout_s or limit, limit)
         holdback = max((len(s) for s in params.stop), default=1) - 1
         samples = split_samples(params)
         assemblers = [SampleAssembler(i, holdback) for i in range(len(samples))]
-        flows = [SampleFlow(self, request_id, i, prompt, p, deadline) for i, p in enumerate(samples)]
+        flows = [SampleFlow(self, request_id, i, prompt, p, deadline, images) for i, p in enumerate(samples)]
         many = len(flows) > 1  # one sample (n = 1) is read directly, without the merge's tasks and queue
         stream = merge([f.deltas() for f in flows]) if many else flows[0].deltas()
         try:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Optional
 
 from deepinfer_core.sampling_params import SamplingParams
@@ -39,8 +39,19 @@ _BLAMES_THE_CE = (ErrorCode.INTERNAL, ErrorCode.FAILED_PRECONDITION)
 
 
 class SampleFlow:
-    def __init__(self, router, request_id: str, index: int, prompt: list[int], params: SamplingParams, deadline: float):
+    def __init__(
+        self,
+        router,
+        request_id: str,
+        index: int,
+        prompt: list[int],
+        params: SamplingParams,
+        deadline: float,
+        images: Sequence[bytes] = (),
+    ):
         self.router = router
+        self.images = list(images)
+        """Encoded files, one per image of the prompt (the engine encodes them, or a vision encoder does first)."""
         self.config = router.config
         self.request_id = request_id
         self.index = index
@@ -73,7 +84,7 @@ class SampleFlow:
         m.QUEUE_TIME.labels(self.router.model).observe(time.monotonic() - self.arrival)
         finished = False
         try:
-            async for delta in worker.client.generate(sub_id, self.prompt, self.params, self.remaining()):
+            async for delta in worker.client.generate(sub_id, self.prompt, self.params, self.remaining(), self.images):
                 finished = delta.finished
                 yield delta
         finally:
@@ -143,7 +154,7 @@ class SampleFlow:
         self._hold(pe, len(self.prompt), "prefill")
         timeout = min(self.config.pd.prefill_timeout_s, self.remaining())
         try:
-            result = await pe.client.prefill(sub_id, self.prompt, self.params, kv_target, timeout)
+            result = await pe.client.prefill(sub_id, self.prompt, self.params, kv_target, timeout, self.images)
         except ServiceError as e:
             self.router.abort_later(pe, sub_id, prefill=True)
             if e.code not in _RETRIED_PREFILL:
@@ -159,6 +170,8 @@ class SampleFlow:
         m.KV_TRANSFER_SECONDS.labels(pe.worker_id).observe(result.kv_seconds)
         m.KV_HANDOFF_EXPOSED_SECONDS.labels(pe.worker_id).observe(result.kv_exposed_seconds)
         m.KV_TRANSFER_BYTES.labels(pe.worker_id).inc(result.kv_bytes)
+        if result.embeds_seconds:
+            m.EMBEDDING_TRANSFER_SECONDS.labels(pe.worker_id).observe(result.embeds_seconds)
         return result
 
     async def _decode(self, ce: WorkerHandle, sub_id: str, first: SampleDelta) -> AsyncIterator[SampleDelta]:

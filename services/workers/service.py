@@ -8,6 +8,7 @@ from services.common.grpc_util import handles_errors
 from services.common.messages import (
     batch_to_proto,
     delta_to_proto,
+    handle_from_proto,
     load_to_proto,
     prefill_result_to_proto,
     region_from_proto,
@@ -43,8 +44,9 @@ class PrefillService(worker_pb2_grpc.PrefillServicer):
 
     @handles_errors
     async def Prefill(self, request, context):
+        images = list(request.images) + [handle_from_proto(h) for h in request.image_embeds]
         result = await self.core.prefill(
-            request.request_id, list(request.prompt_token_ids), _params(request), _target(request)
+            request.request_id, list(request.prompt_token_ids), _params(request), _target(request), images
         )
         return prefill_result_to_proto(result)
 
@@ -86,7 +88,11 @@ class DecodeService(worker_pb2_grpc.DecodeServicer):
     @handles_errors
     async def Submit(self, request, context):
         await self.core.submit(
-            request.request_id, list(request.prompt_token_ids), _params(request), request.subscriber_id
+            request.request_id,
+            list(request.prompt_token_ids),
+            _params(request),
+            request.subscriber_id,
+            list(request.images),
         )
         return worker_pb2.SubmitReply()
 
@@ -97,7 +103,8 @@ class DecodeService(worker_pb2_grpc.DecodeServicer):
 
     @handles_errors
     async def Generate(self, request, context):
-        async for delta in self.core.generate(request.request_id, list(request.prompt_token_ids), _params(request)):
+        ids, images = list(request.prompt_token_ids), list(request.images)
+        async for delta in self.core.generate(request.request_id, ids, _params(request), images):
             yield delta_to_proto(delta)
 
     @handles_errors

@@ -5,6 +5,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+EMBEDDINGS_UNAVAILABLE = "image embeddings unavailable"
+"""How a prefill engine's error reads when it could not read a request's embeddings (the lease
+expired, the encoder is gone, the READ failed): the router encodes again and retries once."""
+
 
 @dataclass(frozen=True)
 class EmbeddingHandle:

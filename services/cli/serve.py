@@ -18,6 +18,13 @@ def add_parser(sub) -> None:
     p.add_argument("--prefill", type=int, default=1, help="prefill engines (default: 1)")
     p.add_argument("--decode", type=int, default=1, help="decode engines, or NORMAL engines with --colocated")
     p.add_argument("--colocated", action="store_true", help="one NORMAL engine per replica instead of P/D pools")
+    p.add_argument(
+        "--encoder",
+        type=int,
+        default=None,
+        help="vision encoders (images are encoded there; prefill engines read the embeddings over NIXL); "
+        "default: 1 for a model with a vision tower, served P/D; 0 = engines encode in process",
+    )
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/* and gRPC")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument(
@@ -90,6 +97,21 @@ def _add_media_flags(p) -> None:
     )
 
 
+def _encoders(args: argparse.Namespace) -> int:
+    """--encoder, or its default: one for a P/D cluster of a model with a vision tower (NORMAL
+    engines of a colocated cluster encode in process)."""
+    if args.encoder is not None:
+        if args.encoder < 0:
+            raise ValueError("--encoder must be >= 0")
+        return args.encoder
+    if args.colocated:
+        return 0
+    from deepinfer_core.builtin import TINY_MODEL_DIR
+    from services.gateway.media import VisionInfo
+
+    return int(VisionInfo.from_model(args.model or TINY_MODEL_DIR) is not None)
+
+
 def _media_limits(args: argparse.Namespace):
     from services.gateway.media import MediaLimits
 
@@ -128,6 +150,7 @@ def config_from_args(args: argparse.Namespace):
         if getattr(args, name) < (0 if name == "prefill" and args.colocated else 1):
             raise ValueError(f"--{name} must be at least 1")
     return HeadConfig(
+        encoder=_encoders(args),
         served_model_name=args.served_model_name,
         host=args.host,
         port=args.port,

@@ -27,6 +27,7 @@ from services.common.errors import ServiceError
 from services.common.grpc_util import channel, error_from_rpc
 from services.common.messages import (
     delta_from_proto,
+    handle_from_proto,
     handle_to_proto,
     load_from_proto,
     prefill_result_from_proto,
@@ -73,6 +74,14 @@ class WorkerClient(Protocol):
 
     async def abort(self, request_id: str, prefill: bool) -> bool: ...
 
+    async def encode(self, request_id: str, images: Sequence[bytes], timeout: float) -> list[EmbeddingHandle]:
+        """A vision encoder: a lease on each image's embeddings, in order."""
+        ...
+
+    async def release(self, lease_ids: list[int]) -> int:
+        """A vision encoder: free leases no one will read."""
+        ...
+
     async def connect_peer(self, agent_name: str, metadata: bytes, region: Optional[KVRegion] = None) -> None: ...
 
     async def stats(self, timeout: float) -> WorkerLoad: ...
@@ -94,6 +103,7 @@ class GrpcWorkerClient:
         self._prefill = worker_pb2_grpc.PrefillStub(self._channel)
         self._decode = worker_pb2_grpc.DecodeStub(self._channel)
         self._worker = worker_pb2_grpc.WorkerStub(self._channel)
+        self._encoder = worker_pb2_grpc.EncoderStub(self._channel)
         self._inboxes: dict[str, RequestInbox] = {}
         """request id -> inbox of every request of this worker that is read through the subscription."""
         self._subscription: Optional[DeltaSubscription] = None
@@ -235,6 +245,20 @@ class GrpcWorkerClient:
         except grpc.aio.AioRpcError:
             return False  # a dead worker holds nothing
 
+    async def encode(self, request_id, images, timeout) -> list[EmbeddingHandle]:
+        req = worker_pb2.EncodeRequest(request_id=request_id, images=list(images))
+        try:
+            reply = await self._encoder.Encode(req, timeout=timeout)
+        except grpc.aio.AioRpcError as e:
+            raise error_from_rpc(e, self.name) from None
+        return [handle_from_proto(h) for h in reply.handles]
+
+    async def release(self, lease_ids) -> int:
+        try:
+            return (await self._encoder.Release(worker_pb2.ReleaseRequest(lease_ids=lease_ids), timeout=5)).released
+        except grpc.aio.AioRpcError:
+            return 0  # a dead encoder holds nothing
+
     async def connect_peer(self, agent_name, metadata, region=None) -> None:
         req = worker_pb2.ConnectPeerRequest(
             agent_name=agent_name, agent_metadata=metadata, region=region_to_proto(region)
@@ -283,6 +307,12 @@ class LocalWorkerClient:
 
     async def abort(self, request_id, prefill: bool) -> bool:
         return await self.core.abort(request_id)
+
+    async def encode(self, request_id, images, timeout) -> list[EmbeddingHandle]:
+        return await self.core.encode(request_id, list(images))
+
+    async def release(self, lease_ids) -> int:
+        return self.core.release(list(lease_ids))
 
     async def connect_peer(self, agent_name, metadata, region=None) -> None:
         await self.core.connect_peer(agent_name, metadata, region)

@@ -16,6 +16,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Optional
 
+from deepinfer_core.multimodal.embedding_handle import EMBEDDINGS_UNAVAILABLE
 from deepinfer_core.sampling_params import SamplingParams
 from deepinfer_core.transfer.messages import KVTarget
 from services.common.deltas import SampleDelta
@@ -23,6 +24,7 @@ from services.common.errors import ErrorCode, ServiceError
 from services.common.prefill_result import PrefillResult
 from services.common.workers import POOL_COLOCATED, POOL_DECODE, POOL_NAMES, POOL_PREFILL
 from services.metrics import definitions as m
+from services.router.encode_step import EncodeStep
 from services.router.registry import WorkerHandle
 
 _RETRIED_PREFILL = frozenset(
@@ -97,21 +99,25 @@ class SampleFlow:
         tried_pe: set[str] = set()
         suspect_ce: set[str] = set()
         last_error: Optional[ServiceError] = None
+        encoder = EncodeStep(self) if self.images and self.router.encodes_images() else None
+        lost_embeds = 0
         for attempt in range(self.config.max_prefill_attempts):
             sub_id = f"{self.request_id}/{self.index}/{attempt}"
+            images = await encoder.encode(sub_id) if encoder is not None else self.images
             ce, kv_target = await self._reserve(sub_id, suspect_ce)
             try:
-                first = await self._prefill(sub_id, kv_target, tried_pe)
+                first = await self._prefill(sub_id, kv_target, tried_pe, images)
             except _RetryPrefill as retry:
                 last_error = retry.error
+                lost_embeds += EMBEDDINGS_UNAVAILABLE in retry.error.message
+                if lost_embeds > 1:  # read failed after a fresh encode too: say so, never guess
+                    raise ServiceError(ErrorCode.UNAVAILABLE, retry.error.message) from None
                 (suspect_ce if retry.decode_side else tried_pe).add(retry.decode_side or retry.worker_id)
-                self._release(ce, self.kv_tokens)
-                self.router.abort_later(ce, sub_id, prefill=False)
+                self._failed(ce, sub_id, encoder, images)
                 m.ROUTER_RETRIES.labels(retry.error.code.name).inc()
                 continue
             except BaseException:
-                self._release(ce, self.kv_tokens)
-                self.router.abort_later(ce, sub_id, prefill=False)
+                self._failed(ce, sub_id, encoder, images)
                 raise
             async for delta in self._decode(ce, sub_id, first.first):
                 yield delta
@@ -121,6 +127,14 @@ class SampleFlow:
             f"prefill failed {self.config.max_prefill_attempts} times; last error: "
             f"{last_error.message if last_error else '?'}",
         )
+
+    def _failed(self, ce: WorkerHandle, sub_id: str, encoder: Optional[EncodeStep], images: list) -> None:
+        """A prefill attempt failed: let go of its CE reservation and of its image leases (a
+        retry encodes again: a lease the PE may have read is never read twice)."""
+        self._release(ce, self.kv_tokens)
+        self.router.abort_later(ce, sub_id, prefill=False)
+        if encoder is not None:
+            encoder.release(images)
 
     async def _reserve(self, sub_id: str, avoid: set[str]) -> tuple[WorkerHandle, KVTarget]:
         """A reservation on a CE with room; CEs in `avoid` (suspected by a failed hand-off) only
@@ -147,19 +161,20 @@ class SampleFlow:
             self._ce_id = ce.worker_id
             return ce, target
 
-    async def _prefill(self, sub_id: str, kv_target: KVTarget, tried: set[str]) -> PrefillResult:
+    async def _prefill(self, sub_id: str, kv_target: KVTarget, tried: set[str], images: list) -> PrefillResult:
         pe = await self._wait_for(
             POOL_PREFILL, lambda ex: self.router.pick_prefill(len(self.prompt), ex), tried, strict=True
         )
         self._hold(pe, len(self.prompt), "prefill")
         timeout = min(self.config.pd.prefill_timeout_s, self.remaining())
         try:
-            result = await pe.client.prefill(sub_id, self.prompt, self.params, kv_target, timeout, self.images)
+            result = await pe.client.prefill(sub_id, self.prompt, self.params, kv_target, timeout, images)
         except ServiceError as e:
             self.router.abort_later(pe, sub_id, prefill=True)
             if e.code not in _RETRIED_PREFILL:
                 raise
-            decode_side = self._ce_id if e.code in _BLAMES_THE_CE else ""
+            embeds_lost = EMBEDDINGS_UNAVAILABLE in e.message  # the encoder's side, not the CE's
+            decode_side = self._ce_id if e.code in _BLAMES_THE_CE and not embeds_lost else ""
             raise _RetryPrefill(e, pe.worker_id, decode_side) from None
         except asyncio.CancelledError:
             self.router.abort_later(pe, sub_id, prefill=True)

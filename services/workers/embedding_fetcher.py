@@ -12,10 +12,8 @@ import concurrent.futures
 from typing import Optional
 
 from deepinfer_core.errors import TransferError
+from deepinfer_core.multimodal.embedding_handle import EMBEDDINGS_UNAVAILABLE
 from services.common.errors import ErrorCode, ServiceError
-
-EMBEDDINGS_UNAVAILABLE = "image embeddings unavailable"
-"""How a prefill worker's error starts when it could not read a request's embeddings."""
 
 
 class EmbeddingFetcher:

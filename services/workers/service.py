@@ -9,6 +9,7 @@ from services.common.messages import (
     batch_to_proto,
     delta_to_proto,
     handle_from_proto,
+    handle_to_proto,
     load_to_proto,
     prefill_result_to_proto,
     region_from_proto,
@@ -18,6 +19,7 @@ from services.common.messages import (
 from services.common.params import params_from_proto
 from services.workers.base_core import WorkerCore
 from services.workers.decode_core import DecodeCore
+from services.workers.encoder_core import EncoderCore
 from services.workers.prefill_core import PrefillCore
 
 _SUBSCRIPTION_IDLE_S = 10.0
@@ -110,6 +112,20 @@ class DecodeService(worker_pb2_grpc.DecodeServicer):
     @handles_errors
     async def Abort(self, request, context):
         return worker_pb2.AbortReply(found=await self.core.abort(request.request_id))
+
+
+class EncoderService(worker_pb2_grpc.EncoderServicer):
+    def __init__(self, core: EncoderCore):
+        self.core = core
+
+    @handles_errors
+    async def Encode(self, request, context):
+        handles = await self.core.encode(request.request_id, list(request.images))
+        return worker_pb2.EncodeReply(handles=[handle_to_proto(h) for h in handles])
+
+    @handles_errors
+    async def Release(self, request, context):
+        return worker_pb2.ReleaseReply(released=self.core.release(list(request.lease_ids)))
 
 
 class WorkerService(worker_pb2_grpc.WorkerServicer):

@@ -106,3 +106,13 @@ def test_bad_images_are_400_with_a_message_and_the_server_stays_healthy(cluster,
     assert r.status_code == 400 and "limit is 8" in r.json()["error"]["message"]
     assert _post(cluster, CONVERSATIONS["one image"]).status_code == 200
     assert httpx.get(f"{cluster.url}/health", timeout=10).status_code == 200
+
+
+def test_images_went_through_the_encoder_pool(cluster):
+    """The cluster serves the embedded model P/D, so one vision encoder encodes its images; the
+    images above repeat, so its cache served some; the PE read the embeddings over NIXL."""
+    assert _post(cluster, CONVERSATIONS["one image"]).status_code == 200
+    assert cluster.metric("deepinfer:encoder_images_total") >= 2  # A and B at least once each
+    assert cluster.metric("deepinfer:encoder_cache_hits_total") >= 1
+    assert cluster.metric("deepinfer:embedding_transfer_seconds_count") >= 1
+    assert cluster.metric("deepinfer:encoder_queue_images") == 0

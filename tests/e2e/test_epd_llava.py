@@ -49,9 +49,7 @@ def served(request, cluster, tmp_path_factory):
 
 
 def _messages(parts) -> list[dict]:
-    content = [
-        {"type": "text", "text": p} if isinstance(p, str) else {"type": "image", "image": p} for p in parts
-    ]
+    content = [{"type": "text", "text": p} if isinstance(p, str) else {"type": "image", "image": p} for p in parts]
     return [{"role": "user", "content": content}]
 
 

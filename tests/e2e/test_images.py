@@ -11,6 +11,7 @@ import pytest
 
 from deepinfer_core import LLM, SamplingParams
 from proto import common_pb2, gateway_pb2, gateway_pb2_grpc
+from tests.helpers.cluster import wait_until
 from tests.helpers.images import make_png
 
 MAX_NEW = 6
@@ -116,3 +117,23 @@ def test_images_went_through_the_encoder_pool(cluster):
     assert cluster.metric("deepinfer:encoder_cache_hits_total") >= 1
     assert cluster.metric("deepinfer:embedding_transfer_seconds_count") >= 1
     assert cluster.metric("deepinfer:encoder_queue_images") == 0
+
+
+def test_a_burst_of_image_requests_each_completes_or_gets_429(cluster):
+    """64 requests at once, each with its own image, on one vision encoder: none is dropped or
+    hangs (each answers within the client's bound), and the encoder's queue ends empty."""
+    import asyncio
+
+    async def one(client: httpx.AsyncClient, i: int) -> int:
+        body = {"messages": chat("see", image_part(data_url(make_png(24, 24, seed=100 + i)))), "max_tokens": 1}
+        return (await client.post(f"{cluster.base_url}/chat/completions", json=body)).status_code
+
+    async def burst() -> list[int]:
+        async with httpx.AsyncClient(timeout=180, limits=httpx.Limits(max_connections=64)) as client:
+            return await asyncio.gather(*(one(client, i) for i in range(64)))
+
+    codes = asyncio.run(asyncio.wait_for(burst(), 240))
+    assert set(codes) <= {200, 429} and codes.count(200) >= 1, codes
+    assert cluster.metric("deepinfer:encoder_queue_images") == 0
+    # every PE read its leases (or they were released): the encoder's pool is empty again
+    assert wait_until(lambda: cluster.metric("deepinfer:embedding_leases") == 0, timeout_s=10)

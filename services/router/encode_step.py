@@ -10,6 +10,7 @@ at once rather than left to expire.
 
 from __future__ import annotations
 
+import time
 from typing import Optional
 
 from deepinfer_core.multimodal.embedding_handle import EmbeddingHandle
@@ -32,10 +33,13 @@ class EncodeStep:
     def __init__(self, flow):
         self.flow = flow
         self.router = flow.router
+        self._encoder: Optional[WorkerHandle] = None
+        """The encoder that holds the leases of the last `encode`."""
 
     async def encode(self, sub_id: str) -> list[EmbeddingHandle]:
         """Leases on the flow's images, in order."""
         flow, refused = self.flow, set()
+        give_up = min(flow.deadline, time.monotonic() + self.router.config.admission_timeout_s)
         while True:
             ve = await flow._wait_for(POOL_ENCODER, lambda ex: pick_encoder(self.router.registry, ex), refused)
             flow._hold(ve, len(flow.images), "encoder")
@@ -45,6 +49,8 @@ class EncodeStep:
             except ServiceError as e:
                 if e.code not in _REFUSED:
                     raise
+                if time.monotonic() >= give_up:  # every encoder stayed full: the client retries later
+                    raise ServiceError(ErrorCode.RESOURCE_EXHAUSTED, f"no encoder had room: {e.message}") from None
                 refused.add(ve.worker_id)
                 continue
             finally:

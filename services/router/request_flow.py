@@ -109,10 +109,13 @@ class SampleFlow:
                 first = await self._prefill(sub_id, kv_target, tried_pe, images)
             except _RetryPrefill as retry:
                 last_error = retry.error
-                lost_embeds += EMBEDDINGS_UNAVAILABLE in retry.error.message
-                if lost_embeds > 1:  # read failed after a fresh encode too: say so, never guess
+                lost = EMBEDDINGS_UNAVAILABLE in retry.error.message  # the encoder's lease, not the PE, failed
+                lost_embeds += lost
+                if lost_embeds > 1:  # the read failed after a fresh encode too: say so, never guess
+                    self._failed(ce, sub_id, encoder, images)
                     raise ServiceError(ErrorCode.UNAVAILABLE, retry.error.message) from None
-                (suspect_ce if retry.decode_side else tried_pe).add(retry.decode_side or retry.worker_id)
+                if not lost:
+                    (suspect_ce if retry.decode_side else tried_pe).add(retry.decode_side or retry.worker_id)
                 self._failed(ce, sub_id, encoder, images)
                 m.ROUTER_RETRIES.labels(retry.error.code.name).inc()
                 continue

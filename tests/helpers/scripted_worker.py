@@ -36,7 +36,7 @@ class ScriptedWorker:
             "scripted", POOL_COLOCATED, 0, "local", max_model_len=4096, block_size=16, num_blocks=big, max_num_seqs=big
         )
 
-    async def generate(self, request_id, prompt, params, timeout):
+    async def generate(self, request_id, prompt, params, timeout, images=()):
         differ, tokens, text = OutputDiffer(), [], ""
         for j in range(params.max_tokens):
             t = token_at(prompt, params.seed or 0, j)

@@ -73,7 +73,7 @@ class PrefillCore(WorkerCore):
         if self.embeddings is None:
             self.embeddings = EmbeddingFetcher(self.worker_id)
         embeds, seconds = await self.embeddings.read(images)
-        return {"image_embeds": embeds}, seconds
+        return {"image_embeds": embeds, "image_hashes": [h.content_hash for h in images]}, seconds
 
     async def connect_peer(self, agent_name: str, metadata: bytes, region: Optional[KVRegion] = None) -> None:
         """Connect to a CE and, given its KV `region`, prepare its transfer descriptors now."""

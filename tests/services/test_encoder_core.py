@@ -62,16 +62,21 @@ def test_batched_encode_read_over_nixl_equals_in_process_and_empties_the_pool(mo
             await fetcher.read(again)
             assert fetcher.registered_bytes == registered  # the receive buffer was registered once
             assert await _until(lambda: runner.pool.leased == 0)
-            return embeds, seconds
+            return embeds, seconds, [h for hs in handles for h in hs]
         finally:
             core.stop()
 
-    embeds, seconds = _run(main())
+    embeds, seconds, handles = _run(main())
     assert seconds > 0
     processor = MultiModalProcessor.for_model(_runner(model_config).encoder, model_config.path, torch.device("cpu"))
-    want, _ = processor.encode(PNGS[:3])
+    want, want_hashes = processor.encode(PNGS[:3])
     for got, ref in zip(embeds, want):
         assert torch.equal(got, ref)
+    # the PE keys the images' prefix-cache blocks by the encoder's hashes: those of an in-process encode
+    assert [h.content_hash for h in handles] == want_hashes
+    token = processor.image_token_id
+    _, placeholders = processor.process([1, token, 2], {"image_embeds": embeds[:1], "image_hashes": want_hashes[:1]})
+    assert placeholders[0].content_hash == want_hashes[0] and torch.equal(placeholders[0].embeds, want[0])
 
 
 def test_leases_are_freed_by_release_expiry_and_a_caller_that_went_away(model_config):

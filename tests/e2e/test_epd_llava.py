@@ -43,7 +43,7 @@ def served(request, cluster, tmp_path_factory):
                          "--max-model-len", "256", "--dtype", "float32")  # fmt: skip
     try:
         llm = LLM(str(path), dtype="float32", max_model_len=256, num_gpu_blocks=64, block_size=16)
-        yield serve, llm, hf, processor
+        yield serve, llm, hf, processor, request.param
     finally:
         serve.stop()
 
@@ -77,7 +77,7 @@ def _hf_tokens(hf, processor, prompt: list[int], images: list[bytes]) -> list[in
 
 
 def test_epd_equals_the_normal_engine_and_transformers(served):
-    serve, llm, hf, processor = served
+    serve, llm, hf, processor, _ = served
     greedy = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
     got = {}
     for name, parts in CONVERSATIONS.items():
@@ -91,3 +91,19 @@ def test_epd_equals_the_normal_engine_and_transformers(served):
     assert got["one image"] != got["same text, other image"]  # no KV shared across different images
     assert serve.metric("deepinfer:encoder_images_total") >= 2
     assert serve.metric("deepinfer:embedding_transfer_seconds_count") >= 3
+
+
+def test_scale_the_encoder_pool_live(served):
+    """`deepinfer scale --encoder 2` starts a second vision encoder, `--encoder 1` drains one; images
+    are served the same throughout (one tower is enough to check it)."""
+    serve, llm, *_, vision = served
+    if vision != "clip":
+        pytest.skip("checked on the CLIP checkpoint")
+    want = _served_tokens(serve, CONVERSATIONS["two images"])
+    for size in (2, 1):
+        r = serve.cli("scale", "--encoder", str(size), timeout_s=300)
+        assert r.returncode == 0, r.stdout + r.stderr
+        with grpc.insecure_channel(serve.grpc_address) as ch:
+            status = gateway_pb2_grpc.ClusterStub(ch).Status(common_pb2.StatusRequest(), timeout=10)
+        assert sum(len(p.workers) for p in status.pools if p.pool == common_pb2.POOL_ENCODER) == size
+        assert _served_tokens(serve, CONVERSATIONS["two images"]) == want

@@ -5,7 +5,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 
+from services.cli import kv_store_args
 from services.common.limits import RequestLimits
+
+DEFAULT_LOCAL_PREFILL_TOKENS = 64
+"""Short enough that one decode engine's prefill step of it costs about a decode step's time on a
+GPU (and a few on a CPU), so the decode streams beside it barely notice; longer prompts, and every
+prompt that is mostly cached elsewhere, are the prefill pool's."""
 
 
 def add_parser(sub) -> None:
@@ -67,10 +73,20 @@ def add_parser(sub) -> None:
         default="127.0.0.1",
         help="address the router and the workers serve each other on; 'auto' = this node's IP (several machines)",
     )
+    p.add_argument(
+        "--local-prefill-tokens",
+        type=int,
+        default=DEFAULT_LOCAL_PREFILL_TOKENS,
+        help="conditional disaggregation: a prompt whose uncached part is at most this many tokens is prefilled "
+        f"on a decode engine with room, skipping the prefill pool and the KV transfer (0 = never; default: "
+        f"{DEFAULT_LOCAL_PREFILL_TOKENS})",
+    )
+    kv_store_args.add_arguments(p)
     p.set_defaults(func=run)
 
 
 def config_from_args(args: argparse.Namespace):
+    from deepinfer_core.config import PDConfig
     from services.controller.serve_config import HeadConfig
     from services.workers.spec import EngineSettings
 
@@ -82,6 +98,8 @@ def config_from_args(args: argparse.Namespace):
         max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len or None,
         num_gpu_blocks=args.num_blocks or None,
+        kv_store=kv_store_args.config_from_args(args),
+        pd=PDConfig(local_prefill_tokens=args.local_prefill_tokens),
     )
     gpus = args.gpus_per_worker
     if gpus is None:

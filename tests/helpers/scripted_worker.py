@@ -26,9 +26,11 @@ def token_at(prompt: list[int], seed: int, j: int) -> int:
 
 
 class ScriptedWorker:
-    def __init__(self, burst: int = 1):
+    def __init__(self, burst: int = 1, token_delay_s: float = 0.0):
         self.burst = burst
         """Deltas sent back to back before the loop turns."""
+        self.token_delay_s = token_delay_s
+        """A pause after each burst: requests that stay in flight a while, as a busy engine's do."""
 
     def info(self) -> WorkerInfo:
         big = 1 << 20
@@ -57,7 +59,7 @@ class ScriptedWorker:
             if finish is not None:
                 return
             if (j + 1) % self.burst == 0:
-                await asyncio.sleep(0)
+                await asyncio.sleep(self.token_delay_s)
 
     async def abort(self, request_id, prefill) -> bool:
         return False

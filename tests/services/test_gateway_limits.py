@@ -1,0 +1,131 @@
+"""The gateway's limits through its real HTTP and gRPC servers (a scripted worker behind them):
+admission counts sequences, not requests; a refusal for want of room says when to retry (HTTP
+`Retry-After`, gRPC trailing metadata); huge inputs are refused at once on both doors while other
+requests go on being served."""
+
+import threading
+import time
+
+import grpc
+import httpx
+import pytest
+
+from proto import common_pb2, gateway_pb2, gateway_pb2_grpc
+from services.common.grpc_util import PUSHBACK_KEY, RETRY_AFTER_KEY
+from services.gateway.core import GatewayConfig
+from tests.helpers.front import ServedFront
+from tests.helpers.scripted_worker import ScriptedWorker
+
+SEQUENCES = 64
+MiB = 1024 * 1024
+
+
+@pytest.fixture(scope="module")
+def served():
+    config = GatewayConfig("m", 512, max_concurrent_sequences=SEQUENCES)
+    served = ServedFront(config, ScriptedWorker(token_delay_s=0.05))
+    yield served
+    served.stop()
+
+
+@pytest.fixture(scope="module")
+def stub(served):
+    with grpc.insecure_channel(served.grpc_address) as channel:
+        yield gateway_pb2_grpc.GatewayStub(channel)
+
+
+def _wait(predicate, timeout_s: float = 30.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+def _completion(served, timeout_s: float = 60.0) -> int:
+    body = {"prompt": "hello", "max_tokens": 2}
+    return httpx.post(f"{served.url}/v1/completions", json=body, timeout=timeout_s).status_code
+
+
+def test_one_request_of_64_prompts_x_8_is_refused_by_the_sequence_limit(served):
+    body = {"prompt": ["hello"] * 64, "n": 8, "max_tokens": 2}
+    r = httpx.post(f"{served.url}/v1/completions", json=body, timeout=30)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == "n" and "512 sequences" in error["message"] and "at most 64" in error["message"]
+    assert served.core.admission.in_flight("sequences") == 0
+
+
+def _hold(served, prompts: int, n: int, release: threading.Event) -> threading.Thread:
+    """A streamed request of `prompts` x `n` sequences that stays in flight until `release` is set."""
+
+    def run():
+        body = {"prompt": ["hello"] * prompts, "n": n, "max_tokens": 400, "stream": True}
+        with httpx.stream("POST", f"{served.url}/v1/completions", json=body, timeout=60) as r:
+            for _ in r.iter_bytes():
+                if release.is_set():
+                    return  # closing the stream aborts the request
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_no_room_is_429_with_retry_after_and_resource_exhausted_with_retry_metadata(served, stub):
+    release = threading.Event()
+    holder = _hold(served, 8, 8, release)  # all 64 sequences
+    try:
+        assert _wait(lambda: served.core.admission.in_flight("sequences") == SEQUENCES)
+        r = httpx.post(f"{served.url}/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=30)
+        assert r.status_code == 429, r.text
+        assert 1 <= int(r.headers["retry-after"]) <= 60
+        assert r.json()["error"]["type"] == "rate_limit_error" and "sequences in flight" in r.json()["error"]["message"]
+        request = gateway_pb2.GenerateRequest(text="hi", params=common_pb2.SamplingParams(max_tokens=2))
+        with pytest.raises(grpc.RpcError) as e:
+            list(stub.Generate(request, timeout=30))
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        trailing = dict(e.value.trailing_metadata())
+        assert 1 <= int(trailing[RETRY_AFTER_KEY]) <= 60
+        assert int(trailing[PUSHBACK_KEY]) == 1000 * int(trailing[RETRY_AFTER_KEY])
+    finally:
+        release.set()
+        holder.join(30)
+    assert _wait(lambda: served.core.admission.in_flight("sequences") == 0)
+    assert _completion(served) == 200
+
+
+def test_huge_inputs_are_refused_at_once_while_other_requests_complete(served, stub):
+    outcomes: dict[str, object] = {}
+
+    def grpc_60_mib():
+        request = gateway_pb2.GenerateRequest(text="word " * (12 * MiB))
+        try:
+            list(stub.Generate(request, timeout=60))
+        except grpc.RpcError as e:
+            outcomes["grpc"] = e.code()
+
+    def http(name: str, size: int):
+        body = {"prompt": "word " * (size // 5), "max_tokens": 2}
+        outcomes[name] = httpx.post(f"{served.url}/v1/completions", json=body, timeout=60).status_code
+
+    def small_ones():
+        outcomes["small"] = [_completion(served) for _ in range(10)]
+
+    threads = [
+        threading.Thread(target=grpc_60_mib),
+        threading.Thread(target=http, args=("http_8_mib", 8 * MiB + 100)),
+        threading.Thread(target=http, args=("http_under_the_limit", 8 * MiB - 1000)),
+        threading.Thread(target=small_ones),
+    ]
+    started = time.monotonic()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    took = time.monotonic() - started
+    assert outcomes["grpc"] == grpc.StatusCode.RESOURCE_EXHAUSTED  # over the same 8 MiB as HTTP's
+    assert outcomes["http_8_mib"] == 413  # over the body limit
+    assert outcomes["http_under_the_limit"] == 413  # over the context length, seen from its head
+    assert outcomes["small"] == [200] * 10, outcomes
+    print(f"huge inputs refused and 10 small requests served in {took:.2f} s")

@@ -62,7 +62,9 @@ class _Sampling(BaseModel):
 
 
 class CompletionRequest(_Sampling):
-    prompt: Union[str, list[str], list[TokenId], list[list[TokenId]]]
+    prompt: Union[str, list[str], list[int], list[list[int]]]
+    """Token ids are checked against the vocabulary by `validation` (a 400 naming `prompt`): a bound
+    inside this union would turn into one error per member of it."""
     max_tokens: Optional[int] = _int("max_tokens", 16)
     logprobs: Optional[int] = _int("logprobs")
     echo: bool = Field(False, description=_REFUSED)

@@ -25,6 +25,10 @@ def token_at(prompt: list[int], seed: int, j: int) -> int:
     return (prompt[0] * 31 + j * 7 + seed * 13) % VOCAB
 
 
+_UP_TO_THE_CONTEXT = 24
+"""Tokens for `max_tokens=None`: an engine would go on to the context length; a few are enough here."""
+
+
 class ScriptedWorker:
     def __init__(self, burst: int = 1, token_delay_s: float = 0.0):
         self.burst = burst
@@ -40,7 +44,8 @@ class ScriptedWorker:
 
     async def generate(self, request_id, prompt, params, timeout):
         differ, tokens, text = OutputDiffer(), [], ""
-        for j in range(params.max_tokens):
+        max_tokens = params.max_tokens or _UP_TO_THE_CONTEXT
+        for j in range(max_tokens):
             t = token_at(prompt, params.seed or 0, j)
             tokens.append(t)
             text += PIECES[t % len(PIECES)]
@@ -49,7 +54,7 @@ class ScriptedWorker:
                 if s in text:  # the engine cuts a stop string off and ends the sample
                     text, finish, stop = text[: text.index(s)], "stop", s
                     break
-            if finish is None and j + 1 == params.max_tokens:
+            if finish is None and j + 1 == max_tokens:
                 finish = "length"
             out = CompletionOutput(0, text, list(tokens), logprobs=_logprobs(tokens, params.logprobs))
             out.finish_reason, out.stop_reason = finish, stop

@@ -212,5 +212,13 @@ class Admission:
         seconds = math.ceil(excess / rate) if rate > 0 else _RETRY_UNKNOWN_S
         return max(_RETRY_MIN_S, min(_RETRY_MAX_S, seconds))
 
+    def drain_time_s(self, work: Work) -> int:
+        """Whole seconds in which, at the recent drain rate, as many sequences as `work` has finish:
+        the wait to suggest when the engines (not these limits) had no room."""
+        totals = self.counts.totals()
+        rate = self.drain.per_second(_KINDS.index("sequences"), totals, time.monotonic())
+        seconds = math.ceil(work.sequences / rate) if rate > 0 else _RETRY_UNKNOWN_S
+        return max(_RETRY_MIN_S, min(_RETRY_MAX_S, seconds))
+
     def in_flight(self, kind: str = "requests") -> int:
         return self.counts.totals()[_KINDS.index(kind)]

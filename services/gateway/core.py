@@ -203,6 +203,8 @@ class GatewayCore:
                 yield choice, delta
         except ServiceError as e:
             m.REQUEST_ERRORS.labels(e.code.name).inc()
+            if e.code is ErrorCode.RESOURCE_EXHAUSTED and e.retry_after_s is None:  # no engine had room
+                e.retry_after_s = self.admission.drain_time_s(Work(1, len(choices), 0))
             raise
         finally:
             await stream.aclose()

@@ -59,6 +59,7 @@ def test_retry_after_follows_the_drain_rate(monkeypatch):
     # full, draining 1/s: 4 more need 4 s; 1000 more would need far longer than the cap
     assert admission.retry_after_s(Work(1, 4, 0), "sequences") == 4
     assert admission.retry_after_s(Work(1, 1000, 0), "sequences") == adm._RETRY_MAX_S
+    assert admission.drain_time_s(Work(1, 3, 0)) == 3  # the engines had no room: 3 sequences to drain
 
 
 def _enter_many(path: str, index: int, limit: int, tries: int, ready) -> None:

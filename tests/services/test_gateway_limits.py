@@ -3,6 +3,9 @@ admission counts sequences, not requests; a refusal for want of room says when t
 `Retry-After`, gRPC trailing metadata); huge inputs are refused at once on both doors while other
 requests go on being served."""
 
+import os
+import subprocess
+import sys
 import threading
 import time
 
@@ -129,3 +132,36 @@ def test_huge_inputs_are_refused_at_once_while_other_requests_complete(served, s
     assert outcomes["http_under_the_limit"] == 413  # over the context length, seen from its head
     assert outcomes["small"] == [200] * 10, outcomes
     print(f"huge inputs refused and 10 small requests served in {took:.2f} s")
+
+
+_HUGE_CLIENT = """
+import sys, grpc, httpx
+from proto import gateway_pb2, gateway_pb2_grpc
+url, address, MiB = sys.argv[1], sys.argv[2], 1024 * 1024
+stub = gateway_pb2_grpc.GatewayStub(grpc.insecure_channel(address))
+for _ in range(3):
+    try:
+        list(stub.Generate(gateway_pb2.GenerateRequest(text="word " * (12 * MiB)), timeout=60))
+    except grpc.RpcError as e:
+        assert e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, e
+    for size in (8 * MiB + 100, 8 * MiB - 1000):
+        r = httpx.post(url + "/v1/completions", json={"prompt": "word " * (size // 5)}, timeout=60)
+        assert r.status_code == 413, r.text
+"""
+
+
+def _rss_mb() -> float:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) / 1024 for line in f if line.startswith("VmRSS"))
+
+
+def test_refused_huge_requests_leave_no_memory_held(served):
+    """The server (this process) reads no more of a huge request than its limit: nine of them
+    refused (the client is another process) leave its resident memory much as it was."""
+    before = _rss_mb()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    cmd = [sys.executable, "-c", _HUGE_CLIENT, served.url, served.grpc_address]
+    subprocess.run(cmd, check=True, timeout=300, env=env)
+    grown = _rss_mb() - before
+    print(f"resident memory grew {grown:.0f} MB")
+    assert grown < 200  # reading one 8 MiB prompt whole and tokenizing it cost ~700 MB

@@ -165,3 +165,25 @@ def test_refused_huge_requests_leave_no_memory_held(served):
     grown = _rss_mb() - before
     print(f"resident memory grew {grown:.0f} MB")
     assert grown < 200  # reading one 8 MiB prompt whole and tokenizing it cost ~700 MB
+
+
+def test_a_fault_of_the_server_is_a_500_on_a_connection_that_stays_open(served):
+    """A bug (here a tokenizer that breaks) is answered 500 with an error body, and the client's
+    keep-alive connection goes on serving: uvicorn closes it only when an exception escapes the app."""
+    core = served.core
+
+    async def broken(prompt):
+        raise RuntimeError("tokenizer exploded")
+
+    with httpx.Client(base_url=served.url, timeout=30) as client:
+        core.encode_prompts = broken
+        try:
+            r = client.post("/v1/completions", json={"prompt": "hello", "max_tokens": 2})
+        finally:
+            del core.encode_prompts
+        assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
+        assert "tokenizer exploded" in r.json()["error"]["message"]
+        ok = client.post("/v1/completions", json={"prompt": "hello", "max_tokens": 2})
+        assert ok.status_code == 200
+        address = [x.extensions["network_stream"].get_extra_info("client_addr") for x in (r, ok)]
+        assert address[0] == address[1]

@@ -45,7 +45,8 @@ _TOOL_KEYS = ("tool_calls", "tool_call_id", "function_call")
 
 HEAD_CHARS_PER_TOKEN = 32
 """A text longer than the context length times this has its head tokenized first (see
-`refuse_surely_long`): no tokenizer's tokens are that long on average."""
+`refuse_surely_long`): tokens average a few characters, so a head this long that is not yet over the
+context is rare, and the whole text is then tokenized as usual."""
 _EDGE_TOKENS = 16
 """Tokens that cutting a text may add at the cut (a word split in two)."""
 
@@ -211,7 +212,8 @@ def encode_chat(
     check_messages(messages)
     texts = [m["content"] if isinstance(m.get("content"), str) else "" for m in messages]
     texts += [p["text"] for m in messages if isinstance(m.get("content"), list) for p in m["content"]]
-    refuse_surely_long("".join(texts), tokenizer, max_model_len, "messages")
+    # one line each, as templates write them: no word of one message merges with the next's
+    refuse_surely_long("\n".join(texts), tokenizer, max_model_len, "messages")
     try:
         return tokenizer.encode_chat(messages, add_generation_prompt=add_generation_prompt)
     except ValueError as e:

@@ -41,6 +41,25 @@ def add_parser(sub) -> None:
         help="more in flight, over all API processes together, get HTTP 429 / RESOURCE_EXHAUSTED (default: 512)",
     )
     p.add_argument(
+        "--max-concurrent-sequences",
+        type=int,
+        default=4096,
+        help="sequences (prompts x n) in flight over all requests; more get 429 with Retry-After, one request "
+        "asking more than this alone gets 400 (default: 4096)",
+    )
+    p.add_argument(
+        "--max-concurrent-prompt-tokens",
+        type=int,
+        default=4 * 1024 * 1024,
+        help="prompt tokens in flight over all requests; more get 429 with Retry-After (default: 4194304)",
+    )
+    p.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=8 * 1024 * 1024,
+        help="largest HTTP body (413 past it) and gRPC message (RESOURCE_EXHAUSTED) (default: 8388608)",
+    )
+    p.add_argument(
         "--api-workers",
         type=int,
         default=1,
@@ -123,6 +142,9 @@ def config_from_args(args: argparse.Namespace):
         api_key=args.api_key,
         limits=RequestLimits(max_n=args.max_n, request_timeout_s=args.request_timeout),
         max_concurrent_requests=args.max_concurrent_requests,
+        max_concurrent_sequences=args.max_concurrent_sequences,
+        max_concurrent_prompt_tokens=args.max_concurrent_prompt_tokens,
+        max_request_bytes=args.max_request_bytes,
         api_workers=args.api_workers,
         torch_threads=args.engine_threads,
         gpus_per_worker=gpus,

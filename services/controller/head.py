@@ -167,7 +167,7 @@ class Head:
 
             self.api_workers = ApiWorkers(cfg.api_workers, self._api_process_spec)
             counts = self.api_workers.counts
-        admission = Admission(cfg.max_concurrent_requests, counts)
+        admission = Admission(self._gateway_config.work_limits, counts)
         tokenizer = load_tokenizer(self._tokenizer_path())
         self.gateway = GatewayCore(self._gateway_config, tokenizer, LocalRouterClient(self.router), admission)
         registry = multiprocess.scrape_registry(metrics_dir) if metrics_dir else None

@@ -114,7 +114,7 @@ class ApiProcess:
 
         spec = self.spec
         counts = SharedCounts(spec.counts_path, spec.index)
-        admission = Admission(spec.gateway.max_concurrent_requests, counts, spec.index)
+        admission = Admission(spec.gateway.work_limits, counts, spec.index)
         tokenizer = load_tokenizer(spec.tokenizer_path)
         core = GatewayCore(spec.gateway, tokenizer, LocalRouterClient(self.router), admission)
         path = multiprocess.directory()

@@ -29,7 +29,7 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
         core = self.core
         core.check_api_key(authorization(context))
         validation.check_model(request.model, core.config.model_name)
-        prompt, param = self._prompt(request)
+        prompt, param = await self._prompt(request)
         fields = {
             f.name: v if isinstance(v, (int, float, bool, str)) else list(v) for f, v in request.params.ListFields()
         }
@@ -37,7 +37,7 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
             fields["max_tokens"] = None
         params = core.prepare([prompt], fields, param)
         request_id = request.request_id or uuid.uuid4().hex
-        core.admit()
+        work = core.admit([prompt], params)
         try:
             choices = {}
             response = gateway_pb2.GenerateResponse
@@ -56,18 +56,17 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
                 ),
             )
         finally:
-            core.release()
+            core.release(work)
 
-    def _prompt(self, request) -> tuple[list[int], str]:
+    async def _prompt(self, request) -> tuple[list[int], str]:
         which = request.WhichOneof("prompt")
         if which == "text":
-            return validation.encode_prompts(request.text, self.core.tokenizer, self.core.vocab_size)[0], "text"
+            return (await self.core.encode_prompts(request.text))[0], "text"
         if which == "token_ids":
-            ids = list(request.token_ids.ids)
-            return validation.encode_prompts(ids, self.core.tokenizer, self.core.vocab_size)[0], "token_ids"
+            return (await self.core.encode_prompts(list(request.token_ids.ids)))[0], "token_ids"
         if which == "chat":
             messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
-            return validation.encode_chat(messages, self.core.tokenizer), "chat"
+            return await self.core.encode_chat(messages), "chat"
         raise ServiceError(ErrorCode.INVALID_ARGUMENT, "set one of text, token_ids or chat", "prompt")
 
     async def Health(self, request, context):

@@ -191,8 +191,14 @@ class PDConfig:
     """The router's deadline for one Prefill call."""
     state_copy_interval: int = 128
     """A CE copies a sequence's state slot each time it crosses this many tokens."""
+    local_prefill_tokens: int = 0
+    """Conditional disaggregation: a prompt whose uncached part is at most this many tokens is
+    prefilled on the CE itself when it has room, skipping the PE and the KV transfer (the router
+    asks, the CE decides against its own prefix cache and step bound). 0: every prompt goes to a PE."""
 
     def __post_init__(self) -> None:
+        if self.local_prefill_tokens < 0:
+            raise ValueError(f"local_prefill_tokens must be >= 0, got {self.local_prefill_tokens}")
         for name in ("transfer_timeout_s", "lease_s", "lease_grace_s", "prefill_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")

@@ -79,6 +79,10 @@ class RoleProfile:
     speculative_decoding: bool
     """Decode steps feed DEEPINFER_USE_NEXTN_DECODE draft tokens per sequence (MTP slots);
     a PE never decodes, so it sizes nothing for them (`EngineArgs`)."""
+    prefills_short_prompts: bool
+    """Conditional disaggregation: the engine prefills prompts whose uncached part is short
+    (`PDConfig.local_prefill_tokens`) in a step of their own, within its decode step's token bound
+    (`CompletionEngine.add_local_prefill`). NORMAL prefills everything anyway; a PE is the prefill."""
 
     @property
     def default_zero_overhead_scheduling(self) -> bool:
@@ -108,6 +112,7 @@ _PROFILES = {
         cuda_graphs_allowed=True,
         peak_step="prefill",
         speculative_decoding=True,
+        prefills_short_prompts=False,
     ),
     EngineType.PROMPT: RoleProfile(
         engine_type=EngineType.PROMPT,
@@ -125,6 +130,7 @@ _PROFILES = {
         cuda_graphs_allowed=False,
         peak_step="prefill",
         speculative_decoding=False,
+        prefills_short_prompts=False,
     ),
     EngineType.COMPLETION: RoleProfile(
         engine_type=EngineType.COMPLETION,
@@ -142,6 +148,7 @@ _PROFILES = {
         cuda_graphs_allowed=True,
         peak_step="decode",
         speculative_decoding=True,
+        prefills_short_prompts=True,
     ),
 }
 

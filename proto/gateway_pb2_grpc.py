@@ -57,9 +57,11 @@ class GatewayServicer:
 
     def Generate(self, request, context):
         """Generate from a text prompt, token ids or a chat conversation; streams deltas of every
-        sample; the last message carries `usage`. Errors: INVALID_ARGUMENT (bad input, prompt over
-        the context length), NOT_FOUND (unknown model), UNAUTHENTICATED, RESOURCE_EXHAUSTED,
-        UNAVAILABLE, DEADLINE_EXCEEDED.
+        sample; the last message carries `usage`. Errors: INVALID_ARGUMENT (bad input, a message
+        that does not parse, prompt over the context length, prompt_logprobs: not served),
+        NOT_FOUND (unknown model), UNAUTHENTICATED, RESOURCE_EXHAUSTED (a message over the
+        gateway's size limit; no room now: trailing metadata `retry-after` seconds and
+        `grpc-retry-pushback-ms`), UNAVAILABLE, DEADLINE_EXCEEDED.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -50,3 +50,9 @@ class EngineLoad:
     """Bytes held in the host pool now."""
     kv_store_l3_bytes: int = 0
     """Bytes of entry files in the store's directory (all engines), as last seen."""
+    kv_store_loads: int = 0
+    """Loads that placed at least one block (`kv_store_load_seconds` is summed over them)."""
+    kv_store_l2_capacity_bytes: int = 0
+    kv_store_l3_capacity_bytes: int = 0
+    local_prefills: int = 0
+    """CE: prompts it prefilled itself, their uncached part being short (conditional disaggregation)."""

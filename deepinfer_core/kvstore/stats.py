@@ -82,3 +82,6 @@ class KVStoreStats:
         load.kv_store_evictions_l3 = self.evictions_l3
         load.kv_store_l2_bytes = self.l2_bytes
         load.kv_store_l3_bytes = self.l3_bytes
+        load.kv_store_loads = self.loads
+        load.kv_store_l2_capacity_bytes = self.l2_capacity_bytes
+        load.kv_store_l3_capacity_bytes = self.l3_capacity_bytes

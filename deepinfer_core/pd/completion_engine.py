@@ -10,6 +10,10 @@ stay quarantined until that PE's notice arrives (the write is over) or a grace p
 (longer than any PE may write past the deadline) has passed. Rejection happens before
 enqueue, so nothing in the running scheduler is ever rolled back.
 
+Conditional disaggregation: a prompt whose uncached part is short enough (`add_local_prefill`) is
+prefilled here in a prefill step of its own instead (the scheduler's CE branch runs one whenever
+such a prompt waits); it skips the PE and the transfer, and decodes like any other.
+
 With a KV store (`KVStoreConfig`), `do_save_kvcache` hands the full blocks of finished sequences
 (and, by `save_every_blocks`, of long-running ones) to the store (`kvstore/saver.py`): they are
 copied to the store's host pool (on a GPU by a copy beside the next steps, the blocks held until
@@ -67,6 +71,7 @@ class CompletionEngine(LLMEngine):
         self.quarantine: dict[str, Reservation] = {}  # expired leases whose blocks may still be written
         self.num_handoffs = 0
         self.num_lease_expiries = 0
+        self.num_local_prefills = 0
         self.kv_store = open_store(self.config, self.cache, self.layout, self.name, self.scheduler.block_manager)
         self.kv_saver = None
         if self.kv_store is not None:
@@ -120,6 +125,36 @@ class CompletionEngine(LLMEngine):
             layout=self.layout.describe(),
         )
 
+    def add_local_prefill(
+        self, request_id: str, params: Optional[SamplingParams] = None, prompt_token_ids: Optional[list[int]] = None
+    ) -> Sequence:
+        """Conditional disaggregation: prefill a prompt here, its uncached part (past this engine's
+        own prefix cache) being at most `PDConfig.local_prefill_tokens` and within one forward of
+        this engine's decode bound; the request then decodes like a handed-off one.
+
+        Raises:
+            CapacityError: local prefill is off, the uncached part is too long, or there is no room
+                now — the router sends the prompt to a PE instead.
+            InvalidRequestError: n > 1, or what `add_request` refuses.
+        """
+        params = params or SamplingParams()
+        limit = min(self.config.pd.local_prefill_tokens, self.config.scheduler.max_step_tokens)
+        if limit <= 0:
+            raise CapacityError(f"decode engine {self.name} prefills no prompt itself (local_prefill_tokens=0)")
+        if params.n != 1:
+            raise InvalidRequestError("a decode engine takes one sample per request (n=1); fan out n before prefill")
+        seq = self.add_request(request_id, None, params, prompt_token_ids, enqueue=False)
+        bm = self.scheduler.block_manager
+        uncached = len(seq) - bm.count_cached_prefix(seq) * bm.block_size
+        room = bm.can_allocate(seq) and self.scheduler.state_slots.can_allocate()
+        if uncached > limit or not room or len(self.scheduler.waiting) >= self.config.scheduler.max_num_seqs:
+            self.requests.pop(request_id, None)
+            why = f"{uncached} uncached prompt tokens (limit {limit})" if uncached > limit else "no room now"
+            raise CapacityError(f"decode engine {self.name} does not prefill request {request_id!r} itself: {why}")
+        self.scheduler.add_sequence(seq)
+        self.num_local_prefills += 1
+        return seq
+
     def poll_handoffs(self) -> list[RequestOutput]:
         """Apply hand-off notices and expire leases; call between steps."""
         if self.kv_store is not None:
@@ -153,6 +188,7 @@ class CompletionEngine(LLMEngine):
         load.total_kv_tokens += sum(len(r.seq) for r in self.reservations.values())
         load.reservations = len(self.reservations)
         load.handoffs = self.num_handoffs
+        load.local_prefills = self.num_local_prefills
         if self.kv_store is not None:
             self.kv_store.stats().add_to(load)
         return load

@@ -1,6 +1,7 @@
 """The scheduler: queues waiting / prompted / running and the three role branches.
 
-- waiting: sequences that need a prefill pass (new, mid-chunk, or preempted for recompute).
+- waiting: sequences that need a prefill pass (new, mid-chunk, or preempted for recompute; on a CE,
+  only its local prefills of short prompts).
 - prompted: sequences whose prefix KV is complete (`num_cached_tokens == len - 1`),
   e.g. handed off by a PE or forked; they join `running` at the next decode step.
 - running: decoding sequences.
@@ -99,7 +100,9 @@ class Scheduler:
         if self.engine_type == EngineType.PROMPT:
             return self._schedule_prefill()  # never None for PROMPT: an empty prefill step is legal
         if self.engine_type == EngineType.COMPLETION:
-            return self._schedule_decode()
+            # local prefills (conditional disaggregation) are the only way into a CE's `waiting`
+            out = self._schedule_prefill() if self.waiting and self.role.prefills_short_prompts else None
+            return out if out is not None else self._schedule_decode()
         if self.engine_type == EngineType.NORMAL:
             if self.dp_vote is None:
                 out = self._schedule_prefill()
@@ -127,7 +130,8 @@ class Scheduler:
     def _pick_prefills(self, out: SchedulerOutputs) -> tuple[int, bool]:
         """Take sequences from the head of `waiting` into `out` within the step's token budget.
         Returns (stored-prefix loads started, whether a chunked prompt ended the pick)."""
-        budget = self.config.max_num_batched_tokens - out.num_batched_tokens
+        # a CE's local prefills stay within its decode-sized forward bound (equal to the budget elsewhere)
+        budget = min(self.config.max_num_batched_tokens, self.config.max_step_tokens) - out.num_batched_tokens
         num_seqs, started = len(self.running), 0
         while self.waiting and num_seqs < self.config.max_num_seqs and budget > 0:
             seq = self.waiting[0]

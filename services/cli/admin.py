@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from proto import common_pb2
+from services.cli import status_lines
 
 POOL_LABELS = {1: "encoder", 2: "prefill", 3: "decode", 4: "colocated"}
 
@@ -29,12 +30,15 @@ def format_status(status: common_pb2.ClusterStatus) -> str:
         lines.append(f"{name} pool: {len(pool.workers)} worker(s), target {pool.target}")
         if pool.workers:
             lines.append(header)
+        if pool.pool == common_pb2.POOL_PREFILL and pool.workers:
+            lines.insert(len(lines) - 1, status_lines.PREFILL_SCORE)
         for w in pool.workers:
             load = w.load
             lines.append(
                 f"  {w.info.worker_id:<16} {w.state:<9} {w.info.address:<22} {w.inflight:>8} "
                 f"{load.running_requests:>7} {load.waiting_requests:>7} {load.kv_usage:>6.1%} {load.free_blocks:>8}"
             )
+            lines.append(status_lines.cache_line(w))
     return "\n".join(lines)
 
 

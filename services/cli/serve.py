@@ -5,7 +5,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 
+from services.cli import kv_store_args
 from services.common.limits import RequestLimits
+
+DEFAULT_LOCAL_PREFILL_TOKENS = 64
+"""Short enough that one decode engine's prefill step of it costs about a decode step's time on a
+GPU (and a few on a CPU), so the decode streams beside it barely notice; longer prompts, and every
+prompt that is mostly cached elsewhere, are the prefill pool's."""
 
 
 def add_parser(sub) -> None:
@@ -42,6 +48,25 @@ def add_parser(sub) -> None:
         help="more in flight, over all API processes together, get HTTP 429 / RESOURCE_EXHAUSTED (default: 512)",
     )
     p.add_argument(
+        "--max-concurrent-sequences",
+        type=int,
+        default=4096,
+        help="sequences (prompts x n) in flight over all requests; more get 429 with Retry-After, one request "
+        "asking more than this alone gets 400 (default: 4096)",
+    )
+    p.add_argument(
+        "--max-concurrent-prompt-tokens",
+        type=int,
+        default=4 * 1024 * 1024,
+        help="prompt tokens in flight over all requests; more get 429 with Retry-After (default: 4194304)",
+    )
+    p.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=8 * 1024 * 1024,
+        help="largest HTTP body (413 past it) and gRPC message (RESOURCE_EXHAUSTED) (default: 8388608)",
+    )
+    p.add_argument(
         "--api-workers",
         type=int,
         default=1,
@@ -74,6 +99,15 @@ def add_parser(sub) -> None:
         default="127.0.0.1",
         help="address the router and the workers serve each other on; 'auto' = this node's IP (several machines)",
     )
+    p.add_argument(
+        "--local-prefill-tokens",
+        type=int,
+        default=DEFAULT_LOCAL_PREFILL_TOKENS,
+        help="conditional disaggregation: a prompt whose uncached part is at most this many tokens is prefilled "
+        f"on a decode engine with room, skipping the prefill pool and the KV transfer (0 = never; default: "
+        f"{DEFAULT_LOCAL_PREFILL_TOKENS})",
+    )
+    kv_store_args.add_arguments(p)
     _add_media_flags(p)
     p.set_defaults(func=run)
 
@@ -127,6 +161,7 @@ def _media_limits(args: argparse.Namespace):
 
 
 def config_from_args(args: argparse.Namespace):
+    from deepinfer_core.config import PDConfig
     from services.controller.serve_config import HeadConfig
     from services.workers.spec import EngineSettings
 
@@ -138,6 +173,8 @@ def config_from_args(args: argparse.Namespace):
         max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len or None,
         num_gpu_blocks=args.num_blocks or None,
+        kv_store=kv_store_args.config_from_args(args),
+        pd=PDConfig(local_prefill_tokens=args.local_prefill_tokens),
     )
     gpus = args.gpus_per_worker
     if gpus is None:
@@ -162,6 +199,9 @@ def config_from_args(args: argparse.Namespace):
         api_key=args.api_key,
         limits=RequestLimits(max_n=args.max_n, request_timeout_s=args.request_timeout),
         max_concurrent_requests=args.max_concurrent_requests,
+        max_concurrent_sequences=args.max_concurrent_sequences,
+        max_concurrent_prompt_tokens=args.max_concurrent_prompt_tokens,
+        max_request_bytes=args.max_request_bytes,
         api_workers=args.api_workers,
         torch_threads=args.engine_threads,
         gpus_per_worker=gpus,

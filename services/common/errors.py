@@ -70,7 +70,14 @@ def code_from_grpc(status: grpc.StatusCode) -> ErrorCode:
 class ServiceError(Exception):
     """A request failed in a way the client should hear about: `code` says how."""
 
-    def __init__(self, code: ErrorCode, message: str, param: str | None = None, http_status: int | None = None):
+    def __init__(
+        self,
+        code: ErrorCode,
+        message: str,
+        param: str | None = None,
+        http_status: int | None = None,
+        retry_after_s: int | None = None,
+    ):
         super().__init__(message)
         self.code = code
         self.message = message
@@ -78,6 +85,8 @@ class ServiceError(Exception):
         """The request field at fault, when one is (OpenAI's `param`)."""
         self.http_status = http_status or code.http_status
         """HTTP status for the gateway; a code may map to more than one (413 vs 400)."""
+        self.retry_after_s = retry_after_s
+        """Seconds after which a retry may find room (HTTP `Retry-After`, gRPC trailing metadata)."""
 
     def __repr__(self) -> str:
         return f"ServiceError({self.code.name}, {self.message!r})"

@@ -9,6 +9,7 @@ import logging
 from typing import Optional
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from services.common.errors import ErrorCode, ServiceError, code_from_grpc
 
@@ -50,32 +51,96 @@ def error_from_rpc(e: grpc.aio.AioRpcError, what: str) -> ServiceError:
     return ServiceError(code_from_grpc(code), f"{what}: {detail}")
 
 
+RETRY_AFTER_KEY = "retry-after"
+"""Trailing metadata of a RESOURCE_EXHAUSTED status: whole seconds to wait, as HTTP's Retry-After."""
+PUSHBACK_KEY = "grpc-retry-pushback-ms"
+"""The same in milliseconds, under the name gRPC's own retry policy reads (gRFC A6)."""
+
+
+class Malformed:
+    """A request message that did not parse, handed to the servicer method in its place (`lenient`)."""
+
+    def __init__(self, error: str):
+        self.error = error
+
+
+def _abort_args(e: ServiceError) -> tuple:
+    metadata = ()
+    if e.retry_after_s is not None:
+        metadata = ((RETRY_AFTER_KEY, str(e.retry_after_s)), (PUSHBACK_KEY, str(e.retry_after_s * 1000)))
+    return e.code.grpc_status, e.message, metadata
+
+
+def _malformed(request) -> None:
+    if isinstance(request, Malformed):
+        raise ServiceError(ErrorCode.INVALID_ARGUMENT, f"the request message does not parse: {request.error}")
+
+
 def handles_errors(method):
-    """Turn a ServiceError raised by a servicer method (unary or server-streaming) into a status."""
+    """Turn a ServiceError raised by a servicer method (unary or server-streaming) into a status, and a
+    request that did not parse (`Malformed`) into INVALID_ARGUMENT."""
     if inspect.isasyncgenfunction(method):
 
         @functools.wraps(method)
         async def stream(self, request, context):
             try:
+                _malformed(request)
                 async for item in method(self, request, context):
                     yield item
             except ServiceError as e:
-                await context.abort(e.code.grpc_status, e.message)
+                await context.abort(*_abort_args(e))
 
         return stream
 
     @functools.wraps(method)
     async def unary(self, request, context):
         try:
+            _malformed(request)
             return await method(self, request, context)
         except ServiceError as e:
-            await context.abort(e.code.grpc_status, e.message)
+            await context.abort(*_abort_args(e))
 
     return unary
 
 
-def new_server() -> grpc.aio.Server:
-    return grpc.aio.server(options=CHANNEL_OPTIONS)
+class _Captured:
+    """Stands in for a server to catch the handlers that a generated `add_*Servicer_to_server` adds."""
+
+    def add_generic_rpc_handlers(self, handlers) -> None:
+        pass
+
+    def add_registered_method_handlers(self, service: str, handlers: dict) -> None:
+        self.service, self.handlers = service, handlers
+
+
+def _parse_or_malformed(parse):
+    def deserialize(data: bytes):
+        try:
+            return parse(data)
+        except DecodeError as e:  # a corrupt message, or a string field that is not UTF-8
+            return Malformed(str(e))
+
+    return deserialize
+
+
+def add_lenient(add_servicer, servicer, server: grpc.aio.Server) -> None:
+    """`add_servicer(servicer, server)` (a generated `add_*Servicer_to_server`), except that a request
+    that does not parse reaches the method as `Malformed`: grpc would answer UNKNOWN for it, a status
+    that blames nobody, where `handles_errors` answers INVALID_ARGUMENT, the client's fault."""
+    captured = _Captured()
+    add_servicer(servicer, captured)
+    handlers = {
+        name: h._replace(request_deserializer=_parse_or_malformed(h.request_deserializer))
+        for name, h in captured.handlers.items()
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(captured.service, handlers),))
+    server.add_registered_method_handlers(captured.service, handlers)
+
+
+def new_server(max_receive_bytes: int = _MAX_MESSAGE) -> grpc.aio.Server:
+    """A server refusing (RESOURCE_EXHAUSTED, before parsing) messages over `max_receive_bytes`."""
+    options = [(k, max_receive_bytes if k == "grpc.max_receive_message_length" else v) for k, v in CHANNEL_OPTIONS]
+    return grpc.aio.server(options=options)
 
 
 def bind(server: grpc.aio.Server, host: str, port: int) -> int:

@@ -42,6 +42,12 @@ class HeadConfig:
     """`max_n` and the request deadline, for the gateway and the router alike."""
     max_concurrent_requests: int = 512
     """Requests in flight at once, counted over every API process; more get 429."""
+    max_concurrent_sequences: int = 4096
+    """Sequences (prompts x n) in flight at once, over every API process; more get 429."""
+    max_concurrent_prompt_tokens: int = 4 * 1024 * 1024
+    """Prompt tokens in flight at once, over every API process; more get 429."""
+    max_request_bytes: int = 8 * 1024 * 1024
+    """Largest HTTP body and gRPC message the gateway reads."""
     api_workers: int = 1
     """API processes serving the same HTTP and gRPC ports (the head and `api_workers` - 1 more), each
     with a gateway and a router of its own: one event loop is then not the limit."""
@@ -110,6 +116,9 @@ class HeadConfig:
             api_key=self.api_key,
             limits=self.limits,
             max_concurrent_requests=self.max_concurrent_requests,
+            max_concurrent_sequences=self.max_concurrent_sequences,
+            max_concurrent_prompt_tokens=self.max_concurrent_prompt_tokens,
+            max_request_bytes=self.max_request_bytes,
             media=self.media,
             vision=VisionInfo.from_model(self.model_path),
         )

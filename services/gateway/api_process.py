@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from services.common.errors import ServiceError
+from services.common.gc_tuning import freeze_startup_heap
 from services.gateway.core import GatewayConfig
 from services.router.config import RouterConfig
 
@@ -96,6 +97,7 @@ class ApiProcess:
             spec = self.spec
             self.front.bind(spec.host, spec.http_port, spec.grpc_port, reuse_port=True)
             await self.front.start()
+            freeze_startup_heap()
             if not self._send("ready", os.getpid()):
                 return 1
             return await self._serve(stopped)
@@ -114,7 +116,7 @@ class ApiProcess:
 
         spec = self.spec
         counts = SharedCounts(spec.counts_path, spec.index)
-        admission = Admission(spec.gateway.max_concurrent_requests, counts, spec.index)
+        admission = Admission(spec.gateway.work_limits, counts, spec.index)
         tokenizer = load_tokenizer(spec.tokenizer_path)
         core = GatewayCore(spec.gateway, tokenizer, LocalRouterClient(self.router), admission)
         path = multiprocess.directory()

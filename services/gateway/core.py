@@ -1,11 +1,16 @@
 """GatewayCore: what both front doors (HTTP and gRPC) share — model check, admission,
-tokenizing and validating, streaming from the router, and the request-level metrics."""
+tokenizing and validating, streaming from the router, and the request-level metrics.
+
+Tokenizing and chat templating run on a small thread pool (`offload`), never on the event loop:
+a prompt of megabytes takes the tokenizer seconds, and every other request would wait them out."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -15,7 +20,7 @@ from services.common.errors import ErrorCode, ServiceError
 from services.common.limits import RequestLimits
 from services.common.stream_merge import FAILED, merge
 from services.gateway import media, validation
-from services.gateway.admission import Admission
+from services.gateway.admission import Admission, Work
 from services.metrics import definitions as m
 
 
@@ -30,12 +35,22 @@ class GatewayConfig:
     """`max_n` and the end-to-end deadline (the router's too)."""
     max_concurrent_requests: int = 512
     """More requests in flight than this get 429."""
+    max_concurrent_sequences: int = 4096
+    """More sequences (prompts x n, over every request) in flight than this get 429."""
+    max_concurrent_prompt_tokens: int = 4 * 1024 * 1024
+    """More prompt tokens in flight than this get 429."""
     max_request_bytes: int = 8 * 1024 * 1024
-    """Larger HTTP bodies get 413."""
+    """Larger HTTP bodies get 413, larger gRPC messages RESOURCE_EXHAUSTED."""
+    tokenizer_threads: int = 2
+    """Threads that tokenize and render chat templates, off the event loop."""
     media: media.MediaLimits = media.MediaLimits()
     """What a request's images may be."""
     vision: Optional[media.VisionInfo] = None
     """The model's vision tower; None: image parts are refused."""
+
+    @property
+    def work_limits(self) -> Work:
+        return Work(self.max_concurrent_requests, self.max_concurrent_sequences, self.max_concurrent_prompt_tokens)
 
 
 class Choice:
@@ -84,7 +99,8 @@ class GatewayCore:
         self.tokenizer = tokenizer
         self.router = router
         self.vocab_size = tokenizer.vocab_size
-        self.admission = admission or Admission(config.max_concurrent_requests)
+        self.admission = admission or Admission(config.work_limits)
+        self._pool = ThreadPoolExecutor(config.tokenizer_threads, thread_name_prefix="tokenize")
 
     # ---- admission -------------------------------------------------------------------------
     def check_api_key(self, authorization: Optional[str]) -> None:
@@ -96,29 +112,68 @@ class GatewayCore:
         if scheme.lower() != "bearer" or not hmac.compare_digest(key.strip(), self.config.api_key):
             raise ServiceError(ErrorCode.UNAUTHENTICATED, "missing or invalid API key (Authorization: Bearer <key>)")
 
-    def admit(self) -> None:
-        """Count a request in; `release()` when it ends. Over the limit: RESOURCE_EXHAUSTED."""
-        if not self.admission.try_enter():
-            raise self._busy()
+    def admit(self, prompts: list[list[int]], params: SamplingParams) -> Work:
+        """Count a request's work in; `release(work)` when it ends. More than a limit allows at all:
+        INVALID_ARGUMENT (retrying cannot help); more than there is room for now: RESOURCE_EXHAUSTED
+        with the seconds after which, at the recent drain rate, there should be room."""
+        work = Work(1, len(prompts) * params.n, sum(map(len, prompts)))
+        limits = self.admission.limits
+        too_big = self.admission.too_big(work)
+        if too_big == "sequences":
+            raise ServiceError(
+                ErrorCode.INVALID_ARGUMENT,
+                f"the request asks for {work.sequences} sequences ({len(prompts)} prompt(s) x n={params.n}); "
+                f"the server holds at most {limits.sequences} at once",
+                "n",
+            )
+        if too_big == "prompt_tokens":
+            raise ServiceError(
+                ErrorCode.INVALID_ARGUMENT,
+                f"the request has {work.prompt_tokens} prompt tokens; the server holds at most "
+                f"{limits.prompt_tokens} at once",
+                "prompt",
+                http_status=413,
+            )
+        full = self.admission.try_enter(work)
+        if full is not None:
+            raise self._busy(work, full)
+        return work
 
-    def check_capacity(self) -> None:
-        if self.admission.in_flight >= self.config.max_concurrent_requests:
-            raise self._busy()
-
-    def _busy(self) -> ServiceError:
+    def _busy(self, work: Work, kind: str) -> ServiceError:
+        limit = getattr(self.admission.limits, kind)
+        what = kind.replace("_", " ")
         return ServiceError(
             ErrorCode.RESOURCE_EXHAUSTED,
-            f"the server has {self.admission.in_flight} requests in flight "
-            f"(limit {self.config.max_concurrent_requests}); retry later",
+            f"the server has {self.admission.in_flight(kind)} {what} in flight (limit {limit}); retry later",
+            retry_after_s=self.admission.retry_after_s(work, kind),
         )
 
-    def release(self) -> None:
-        self.admission.leave()
+    def release(self, work: Work) -> None:
+        self.admission.leave(work)
 
     @property
     def active(self) -> int:
         """Requests in flight (over every API process when the count is shared)."""
-        return self.admission.in_flight
+        return self.admission.in_flight()
+
+    async def offload(self, fn, *args):
+        """`fn(*args)` on the tokenizer threads."""
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    async def encode_prompts(self, prompt) -> list[list[int]]:
+        max_len = self.config.max_model_len
+        return await self.offload(validation.encode_prompts, prompt, self.tokenizer, self.vocab_size, max_len)
+
+    async def encode_chat(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+    ) -> tuple[list[int], list[bytes]]:
+        """(prompt ids with image placeholders expanded, the checked images in order)."""
+        max_len = self.config.max_model_len
+        prompt = await self.offload(validation.encode_chat, messages, self.tokenizer, max_len, add_generation_prompt)
+        images = await media.chat_images(messages, self.config.media, self.config.vision, self.config.model_name)
+        if images:
+            prompt = media.expand(prompt, self.config.vision, len(images))
+        return prompt, images
 
     async def ready(self) -> tuple[bool, str]:
         try:
@@ -129,20 +184,10 @@ class GatewayCore:
 
     # ---- requests ----------------------------------------------------------------------------
     def prepare(self, prompts: list[list[int]], fields: dict[str, Any], param: str = "prompt") -> SamplingParams:
-        params = validation.build_params(fields, self.config.limits.max_n)
+        params = validation.build_params(fields, self.config.limits.max_n, self.vocab_size)
         for ids in prompts:
             validation.check_length(ids, params, self.config.max_model_len, param)
         return params
-
-    async def encode_chat(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
-    ) -> tuple[list[int], list[bytes]]:
-        """(prompt ids with image placeholders expanded, the checked images in order)."""
-        prompt = validation.encode_chat(messages, self.tokenizer, add_generation_prompt)
-        images = await media.chat_images(messages, self.config.media, self.config.vision, self.config.model_name)
-        if images:
-            prompt = media.expand(prompt, self.config.vision, len(images))
-        return prompt, images
 
     async def generate(
         self,
@@ -176,6 +221,8 @@ class GatewayCore:
                 yield choice, delta
         except ServiceError as e:
             m.REQUEST_ERRORS.labels(e.code.name).inc()
+            if e.code is ErrorCode.RESOURCE_EXHAUSTED and e.retry_after_s is None:  # no engine had room
+                e.retry_after_s = self.admission.drain_time_s(Work(1, len(choices), 0))
             raise
         finally:
             await stream.aclose()

@@ -12,7 +12,7 @@ import asyncio
 import socket
 from typing import Optional
 
-from services.common.grpc_util import bind, enable_reflection, new_server
+from services.common.grpc_util import add_lenient, bind, enable_reflection, new_server
 from services.gateway.core import GatewayCore
 
 _STOP_GRACE_S = 5.0
@@ -30,8 +30,9 @@ class GatewayFront:
         from services.gateway.http_app import build_app
 
         self.core = core
-        self.grpc_server = new_server()
-        gateway_pb2_grpc.add_GatewayServicer_to_server(GatewayService(core), self.grpc_server)
+        # the same size limit as an HTTP body's: a larger message is refused before it is parsed
+        self.grpc_server = new_server(core.config.max_request_bytes)
+        add_lenient(gateway_pb2_grpc.add_GatewayServicer_to_server, GatewayService(core), self.grpc_server)
         gateway_pb2_grpc.add_ClusterServicer_to_server(cluster_servicer, self.grpc_server)
         enable_reflection(self.grpc_server, ["deepinfer.v1.Gateway", "deepinfer.v1.Cluster"])
         self.app = build_app(core, metrics_registry=metrics_registry)

@@ -53,7 +53,7 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
             fields["max_tokens"] = None
         params = core.prepare([prompt], fields, param)
         request_id = request.request_id or uuid.uuid4().hex
-        core.admit()
+        work = core.admit([prompt], params)
         try:
             choices = {}
             response = gateway_pb2.GenerateResponse
@@ -72,15 +72,14 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
                 ),
             )
         finally:
-            core.release()
+            core.release(work)
 
     async def _prompt(self, request) -> tuple[list[int], str, list[bytes]]:
         which = request.WhichOneof("prompt")
         if which == "text":
-            return validation.encode_prompts(request.text, self.core.tokenizer, self.core.vocab_size)[0], "text", []
+            return (await self.core.encode_prompts(request.text))[0], "text", []
         if which == "token_ids":
-            ids = list(request.token_ids.ids)
-            return validation.encode_prompts(ids, self.core.tokenizer, self.core.vocab_size)[0], "token_ids", []
+            return (await self.core.encode_prompts(list(request.token_ids.ids)))[0], "token_ids", []
         if which == "chat":
             prompt, images = await self.core.encode_chat([_chat_message(m) for m in request.chat.messages])
             return prompt, "chat", images

@@ -1,15 +1,16 @@
 """The OpenAI-compatible HTTP API (FastAPI on uvicorn) over GatewayCore.
 
-Bodies are parsed here, not by FastAPI, so that each failure gets its own status and an
-OpenAI-style error body: 400 malformed JSON or bad values, 401 missing/wrong API key,
-404 unknown model, 413 body too large or prompt over the context length, 422 wrong types,
-429 too many requests in flight, 503/504 when a stage fails or the deadline passes.
+Bodies are parsed by `http_body`, not by FastAPI, so that each failure gets its own status and an
+OpenAI-style error body: 400 malformed JSON, bad values or an unsupported feature, 401 missing/wrong
+API key, 404 unknown model or route, 405 wrong method (with `Allow`), 413 body too large or prompt
+over the context length, 415 a body that is not JSON, 422 wrong types, 429 no room now (with
+`Retry-After`), 503/504 when a stage fails or the deadline passes. A 500 is a fault of the server
+alone, and is answered on a connection that stays open.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import uuid
 from collections.abc import AsyncIterator
@@ -18,11 +19,11 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from services.common.errors import ErrorCode, ServiceError
-from services.gateway import validation
+from services.gateway import http_body, openapi, validation
 from services.gateway.core import Choice, GatewayCore, usage
 from services.gateway.event_streams import chat_events, completion_events
 from services.gateway.protocol import ChatCompletionRequest, CompletionRequest
@@ -41,30 +42,59 @@ def build_app(core: GatewayCore, on_metrics=None, metrics_registry=None) -> Fast
     _add_error_handlers(app)
     _add_info_routes(app, core, on_metrics, metrics_registry or REGISTRY)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", **openapi.route(CompletionRequest))
     async def completions(request: Request):
         return await _completions(request, core)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", **openapi.route(ChatCompletionRequest))
     async def chat_completions(request: Request):
         return await _chat_completions(request, core)
 
+    openapi.install(app, [CompletionRequest, ChatCompletionRequest])
     return app
 
 
 def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ServiceError)
     async def _service_error(request: Request, e: ServiceError):
-        return JSONResponse(service_error_body(e), status_code=e.http_status)
-
-    @app.exception_handler(Exception)
-    async def _unexpected(request: Request, e: Exception):
-        logger.exception("unexpected error on %s", request.url.path)
-        return JSONResponse(error_body(500, f"internal error: {type(e).__name__}: {e}"), status_code=500)
+        headers = {"Retry-After": str(e.retry_after_s)} if e.retry_after_s is not None else None
+        return JSONResponse(service_error_body(e), status_code=e.http_status, headers=headers)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, e: StarletteHTTPException):
-        return JSONResponse(error_body(e.status_code, str(e.detail)), status_code=e.status_code)
+        message = str(e.detail)
+        if e.status_code == 405:  # e.headers carries its `Allow`
+            message = f"{request.method} is not allowed on {request.url.path}; allowed: {e.headers['Allow']}"
+        return JSONResponse(error_body(e.status_code, message), status_code=e.status_code, headers=e.headers)
+
+    app.add_middleware(_ServerFaults)
+
+
+class _ServerFaults:
+    """A bug's exception as a 500 body, on a connection that stays open. (Starlette's handler for
+    `Exception` answers and then raises again, and uvicorn closes the connection on the raise.)"""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = False
+
+        async def tracked(message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracked)
+        except Exception as e:
+            logger.exception("unexpected error on %s", scope.get("path"))
+            if started:  # a response already under way cannot be turned into an error
+                raise
+            body = error_body(500, f"internal error: {type(e).__name__}: {e}")
+            await JSONResponse(body, status_code=500)(scope, receive, send)
 
 
 def _add_info_routes(app: FastAPI, core: GatewayCore, on_metrics, metrics_registry) -> None:
@@ -95,13 +125,10 @@ def _add_info_routes(app: FastAPI, core: GatewayCore, on_metrics, metrics_regist
 
 
 async def _completions(request: Request, core: GatewayCore):
-    body = await _parse(request, core, CompletionRequest)
-    for name, unsupported in (("echo", body.echo), ("suffix", body.suffix), ("logit_bias", body.logit_bias)):
-        if unsupported:
-            raise validation.bad(f"{name} is not supported", name)
+    body = await _parse(request, core, CompletionRequest, http_body.COMPLETION_UNSUPPORTED)
     if body.best_of is not None and body.best_of != body.n:
         raise validation.bad("best_of must equal n (or be left out)", "best_of")
-    prompts = validation.encode_prompts(body.prompt, core.tokenizer, core.vocab_size)
+    prompts = await core.encode_prompts(body.prompt)
     params = core.prepare(prompts, _sampling_fields(body, logprobs=body.logprobs))
     fmt = Formatter(core.tokenizer, f"cmpl-{uuid.uuid4().hex}", core.config.model_name, body.logprobs)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -109,9 +136,7 @@ async def _completions(request: Request, core: GatewayCore):
 
 
 async def _chat_completions(request: Request, core: GatewayCore):
-    body = await _parse(request, core, ChatCompletionRequest)
-    if body.logit_bias:
-        raise validation.bad("logit_bias is not supported", "logit_bias")
+    body = await _parse(request, core, ChatCompletionRequest, http_body.CHAT_UNSUPPORTED)
     if body.top_logprobs is not None and not body.logprobs:
         raise validation.bad("top_logprobs needs logprobs=true", "top_logprobs")
     messages = [m.model_dump(exclude_none=True) for m in body.messages]
@@ -124,29 +149,11 @@ async def _chat_completions(request: Request, core: GatewayCore):
     return await _respond(request, core, [prompt], params, fmt, body.stream, include_usage, chat=True, images=images)
 
 
-async def _parse(request: Request, core: GatewayCore, model: type[BaseModel]) -> Any:
+async def _parse(request: Request, core: GatewayCore, model: type[BaseModel], unsupported: dict[str, Any]) -> Any:
     core.check_api_key(request.headers.get("authorization"))
-    raw = await request.body()
-    if len(raw) > core.config.max_request_bytes:
-        raise ServiceError(
-            ErrorCode.INVALID_ARGUMENT,
-            f"the request body has {len(raw)} bytes; the limit is {core.config.max_request_bytes}",
-            http_status=413,
-        )
-    try:
-        data = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise validation.bad(f"the body is not valid JSON: {e}") from None
-    if not isinstance(data, dict):
-        raise validation.bad("the body must be a JSON object")
-    try:
-        body = model.model_validate(data)
-    except ValidationError as e:
-        first = e.errors()[0]
-        param = ".".join(str(x) for x in first["loc"])
-        raise ServiceError(
-            ErrorCode.INVALID_ARGUMENT, f"{param}: {first['msg']} ({e.error_count()} error(s))", param, http_status=422
-        ) from None
+    http_body.check_content_type(request)
+    raw = await http_body.read(request, core.config.max_request_bytes)
+    body = await core.offload(http_body.parse, raw, model, unsupported)
     validation.check_model(body.model, core.config.model_name)
     return body
 
@@ -178,18 +185,18 @@ def _sampling_fields(body, logprobs, max_tokens=None) -> dict[str, Any]:
 
 
 async def _respond(request, core, prompts, params, fmt, stream, include_usage, chat, images=()):
+    # counted in now, while a status can still say 429; a stream lets go when its response is over
+    work = core.admit(prompts, params)
     if stream:
-        core.admit()  # counted in now (429 while a status can still say so); `_AdmittedStream` lets go
         if chat:
             events = chat_events(core, prompts, params, fmt, include_usage, images)
         else:
             events = completion_events(core, prompts, params, fmt, include_usage)
-        return _AdmittedStream(core, events)
-    core.admit()
+        return _AdmittedStream(core, work, events)
     try:
         choices = await _until_disconnect(request, _collect(core, prompts, params, fmt.id, images))
     finally:
-        core.release()
+        core.release(work)
     body = (fmt.chat if chat else fmt.completion)(choices, usage(choices))
     return JSONResponse(body)
 
@@ -221,12 +228,13 @@ class _AdmittedStream(StreamingResponse):
     """An SSE stream admitted before it starts: it lets go of its place once the response is over,
     whether the stream ran to its end, failed, or never started (the client left before it did)."""
 
-    def __init__(self, core: GatewayCore, events: AsyncIterator[bytes]):
+    def __init__(self, core: GatewayCore, work, events: AsyncIterator[bytes]):
         super().__init__(events, media_type="text/event-stream")
         self._core = core
+        self._work = work
 
     async def __call__(self, scope, receive, send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
-            self._core.release()
+            self._core.release(self._work)

@@ -28,7 +28,7 @@ from typing import Any, Optional
 
 from services.common.errors import ErrorCode, ServiceError
 
-_IMAGE_PARTS = ("image_url", "image")
+IMAGE_PARTS = ("image_url", "image")
 """Content part types the chat template renders as an image placeholder."""
 _DECODERS = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="image-decode")
 """Pillow releases the GIL while it decodes: two threads keep a burst of images off the event loop."""
@@ -83,7 +83,7 @@ def image_urls(messages: list[dict[str, Any]]) -> list[tuple[str, Any]]:
         content = message.get("content")
         for j, part in enumerate(content if isinstance(content, list) else []):
             kind = part.get("type") if isinstance(part, dict) else None
-            if kind in _IMAGE_PARTS:
+            if kind in IMAGE_PARTS:
                 value = part.get(kind)
                 url = value.get("url") if isinstance(value, dict) else value
                 found.append((f"messages[{i}].content[{j}]", url))

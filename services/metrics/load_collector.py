@@ -13,6 +13,7 @@ from collections.abc import Callable
 from prometheus_client.core import REGISTRY, CounterMetricFamily, GaugeMetricFamily
 
 from services.common.workers import POOL_NAMES, WorkerLoad
+from services.metrics import kv_store_families
 
 LoadSource = Callable[[], list[tuple[str, str, WorkerLoad]]]
 """Returns (role, worker id, load) per worker."""
@@ -58,6 +59,7 @@ class _LoadCollector:
             for role, worker, load in rows:
                 family.add_metric([role, worker], float(get(load)))
             yield family
+        yield from kv_store_families.families(rows)
 
 
 load_collector = _LoadCollector()

@@ -8,7 +8,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Optional
 
 from deepinfer_core.sampling_params import SamplingParams
@@ -121,10 +121,14 @@ class RouterCore:
         return bool(self.registry.pool(POOL_ENCODER, ready_only=False))
 
     # ---- policies ----------------------------------------------------------------------------
-    def pick_prefill(self, prompt_len: int, exclude: set[str]) -> Optional[WorkerHandle]:
+    def pick_prefill(self, prompt_len: int, exclude: set[str], prefix: Sequence[int] = ()) -> Optional[WorkerHandle]:
+        """`prefix`: the prompt's chunk hashes (`prefix_index.chunk_hashes`), for prefix-aware choice."""
         pool = {h.worker_id: h for h in self.registry.pool(POOL_PREFILL) if h.worker_id not in exclude}
         candidates = [
-            PrefillCandidate(h.worker_id, h.load.queued_prompt_tokens + h.inflight_tokens) for h in pool.values()
+            PrefillCandidate(
+                h.worker_id, h.load.queued_prompt_tokens + h.inflight_tokens, h.prefixes.matched_tokens(prefix)
+            )
+            for h in pool.values()
         ]
         chosen = self.prefill_policy.pick(prompt_len, candidates)
         return pool.get(chosen) if chosen else None

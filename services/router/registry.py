@@ -22,6 +22,7 @@ from typing import Optional
 from services.common.errors import ServiceError
 from services.common.workers import POOL_DECODE, POOL_PREFILL, WorkerInfo, WorkerLoad
 from services.router.clients import WorkerClient
+from services.router.prefix_index import PrefixSet, capacity_for
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +42,11 @@ class WorkerHandle:
     """PE: prompt tokens of prefills in flight. CE / NORMAL: prompt + max output tokens of its requests."""
     failures: int = 0
     joined_at: float = field(default_factory=time.monotonic)
+    prefixes: PrefixSet = field(init=False)
+    """The prompt prefixes the router sent here (prefix-aware routing); a worker that rejoins starts empty."""
+
+    def __post_init__(self) -> None:
+        self.prefixes = PrefixSet(capacity_for(self.info.num_blocks, self.info.block_size))
 
     @property
     def worker_id(self) -> str:

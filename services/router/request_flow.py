@@ -5,7 +5,8 @@ token comes back here and goes straight to the client) -> stream the rest from t
 starts after that token. A prefill that fails before any token was sent, in a way that may
 succeed elsewhere, is retried on another PE with a fresh reservation; a request the engine
 refuses as the client's fault (INVALID_ARGUMENT) never is. Colocated: one NORMAL engine
-streams everything. Every hop has a deadline; leaving early (client gone, error) aborts the
+streams everything. Conditional disaggregation: a sample whose prompt a CE mostly holds already (or
+is short) is first offered to that CE to prefill itself (`_local_prefill`). Every hop has a deadline; leaving early (client gone, error) aborts the
 sub-request on the stage that holds it.
 """
 
@@ -25,6 +26,7 @@ from services.common.prefill_result import PrefillResult
 from services.common.workers import POOL_COLOCATED, POOL_DECODE, POOL_NAMES, POOL_PREFILL
 from services.metrics import definitions as m
 from services.router.encode_step import EncodeStep
+from services.router.prefix_index import chunk_hashes
 from services.router.registry import WorkerHandle
 
 _RETRIED_PREFILL = frozenset(
@@ -64,6 +66,8 @@ class SampleFlow:
         max_out = params.max_tokens or max(1, router.max_model_len - len(prompt))
         self.kv_tokens = len(prompt) + max_out
         """What the sample may hold on a decode engine (prompt + every output token)."""
+        self.prefix = chunk_hashes(prompt)
+        """The prompt's chunk hashes: which workers hold a prefix of it (prefix-aware routing)."""
 
     def remaining(self) -> float:
         left = self.deadline - time.monotonic()
@@ -96,6 +100,12 @@ class SampleFlow:
 
     # ---- disaggregated ---------------------------------------------------------------------
     async def _disaggregated(self) -> AsyncIterator[SampleDelta]:
+        # a CE encodes no images: a prompt with images is always prefilled on a PE
+        local = await self._local_prefill() if self.config.pd.local_prefill_tokens and not self.images else None
+        if local is not None:
+            async for delta in local:
+                yield delta
+            return
         tried_pe: set[str] = set()
         suspect_ce: set[str] = set()
         last_error: Optional[ServiceError] = None
@@ -122,6 +132,7 @@ class SampleFlow:
             except BaseException:
                 self._failed(ce, sub_id, encoder, images)
                 raise
+            ce.prefixes.record(self.prefix)  # the CE's prefix cache holds the handed-off prompt too
             async for delta in self._decode(ce, sub_id, first.first):
                 yield delta
             return
@@ -138,6 +149,50 @@ class SampleFlow:
         self.router.abort_later(ce, sub_id, prefill=False)
         if encoder is not None:
             encoder.release(images)
+
+    async def _local_prefill(self) -> Optional[AsyncIterator[SampleDelta]]:
+        """Conditional disaggregation: the deltas of this sample prefilled on a CE itself, when the
+        part of the prompt the CE is not believed to hold is short; None: take the P/D path (no CE
+        with room now, or the CE, which decides against its own prefix cache, declined)."""
+        ce = self.router.pick_decode(POOL_DECODE, self.kv_tokens, set())
+        if (
+            ce is None
+            or len(self.prompt) - ce.prefixes.matched_tokens(self.prefix) > self.config.pd.local_prefill_tokens
+        ):
+            return None
+        sub_id = f"{self.request_id}/{self.index}/local"
+        self._hold(ce, self.kv_tokens, None)
+        m.QUEUE_TIME.labels(self.router.model).observe(time.monotonic() - self.arrival)
+        stream = ce.client.generate(sub_id, self.prompt, self.params, self.remaining())
+        try:
+            first = await stream.__anext__()
+        except ServiceError as e:
+            self._release(ce, self.kv_tokens)
+            if e.code != ErrorCode.RESOURCE_EXHAUSTED:
+                raise
+            return None
+        except BaseException:
+            self._release(ce, self.kv_tokens)
+            self.router.abort_later(ce, sub_id, prefill=False)
+            raise
+        m.ROUTER_DECISIONS.labels("local_prefill", ce.worker_id).inc()
+        ce.prefixes.record(self.prefix)
+        return self._local_stream(ce, sub_id, first, stream)
+
+    async def _local_stream(
+        self, ce: WorkerHandle, sub_id: str, first: SampleDelta, rest: AsyncIterator[SampleDelta]
+    ) -> AsyncIterator[SampleDelta]:
+        finished = first.finished
+        try:
+            yield first
+            async for delta in rest:
+                finished = delta.finished
+                yield delta
+        finally:
+            self._release(ce, self.kv_tokens)
+            await rest.aclose()
+            if not finished:
+                self.router.abort_later(ce, sub_id, prefill=False)
 
     async def _reserve(self, sub_id: str, avoid: set[str]) -> tuple[WorkerHandle, KVTarget]:
         """A reservation on a CE with room; CEs in `avoid` (suspected by a failed hand-off) only
@@ -166,7 +221,7 @@ class SampleFlow:
 
     async def _prefill(self, sub_id: str, kv_target: KVTarget, tried: set[str], images: list) -> PrefillResult:
         pe = await self._wait_for(
-            POOL_PREFILL, lambda ex: self.router.pick_prefill(len(self.prompt), ex), tried, strict=True
+            POOL_PREFILL, lambda ex: self.router.pick_prefill(len(self.prompt), ex, self.prefix), tried, strict=True
         )
         self._hold(pe, len(self.prompt), "prefill")
         timeout = min(self.config.pd.prefill_timeout_s, self.remaining())
@@ -190,6 +245,7 @@ class SampleFlow:
         m.KV_TRANSFER_BYTES.labels(pe.worker_id).inc(result.kv_bytes)
         if result.embeds_seconds:
             m.EMBEDDING_TRANSFER_SECONDS.labels(pe.worker_id).observe(result.embeds_seconds)
+        pe.prefixes.record(self.prefix)
         return result
 
     async def _decode(self, ce: WorkerHandle, sub_id: str, first: SampleDelta) -> AsyncIterator[SampleDelta]:

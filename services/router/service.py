@@ -14,7 +14,9 @@ from services.router.registry import WorkerHandle
 def worker_status(h: WorkerHandle) -> common_pb2.WorkerStatus:
     load = load_to_proto(h.load)
     load.worker_id = h.worker_id
-    return common_pb2.WorkerStatus(info=info_to_proto(h.info), load=load, state=h.state, inflight=h.inflight)
+    return common_pb2.WorkerStatus(
+        info=info_to_proto(h.info), load=load, state=h.state, inflight=h.inflight, prefix_chunks=len(h.prefixes)
+    )
 
 
 class RouterService(router_pb2_grpc.RouterServicer):

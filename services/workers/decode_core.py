@@ -96,9 +96,11 @@ class DecodeCore(WorkerCore):
     async def submit(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, subscriber_id: str, images=()
     ) -> None:
-        """NORMAL: admit a request whose deltas, from its first token, go to `subscriber_id`.
-        `images`: encoded files, one per image of the prompt (encoded in process)."""
-        self._check_role(EngineType.NORMAL, "Submit")
+        """NORMAL: admit a request whose deltas, from its first token, go to `subscriber_id`. CE: the
+        same for a prompt it prefills itself (conditional disaggregation; RESOURCE_EXHAUSTED when its
+        uncached part is too long or there is no room: prefill it on a PE instead). `images`: encoded files, one per image of the prompt (a NORMAL engine
+        encodes them in process)."""
+        self._check_role((EngineType.NORMAL, EngineType.COMPLETION), "Submit")
         await self._add(request_id, prompt_token_ids, params, self._outbox(subscriber_id), images)
 
     def stream(self, request_id: str) -> AsyncIterator[SampleDelta]:
@@ -108,8 +110,8 @@ class DecodeCore(WorkerCore):
     async def generate(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, images=()
     ) -> AsyncIterator[SampleDelta]:
-        """NORMAL: every delta of the request, from its first token, through its own stream."""
-        self._check_role(EngineType.NORMAL, "Generate")
+        """NORMAL (or a CE's local prefill): every delta of the request, from its first token, through its own stream."""
+        self._check_role((EngineType.NORMAL, EngineType.COMPLETION), "Generate")
         await self._add(request_id, prompt_token_ids, params, None, images)
         async for delta in self._relay(request_id):
             yield delta
@@ -123,12 +125,14 @@ class DecodeCore(WorkerCore):
             self.streams.close(request_id)
             raise engine_error(e) from None
 
-    def _check_role(self, engine_type: EngineType, rpc: str) -> None:
+    def _check_role(self, engine_types, rpc: str) -> None:
         self.check_accepting()
-        if self.engine.engine_type != engine_type:
+        allowed = engine_types if isinstance(engine_types, tuple) else (engine_types,)
+        if self.engine.engine_type not in allowed:
+            names = " or ".join(t.name for t in allowed)
             raise ServiceError(
                 ErrorCode.FAILED_PRECONDITION,
-                f"worker {self.worker_id} runs a {self.engine.engine_type.name} engine; {rpc} needs {engine_type.name}",
+                f"worker {self.worker_id} runs a {self.engine.engine_type.name} engine; {rpc} needs {names}",
             )
 
     async def _relay(self, request_id: str) -> AsyncIterator[SampleDelta]:
@@ -164,4 +168,9 @@ def _reserve(engine, request_id, params, prompt_token_ids, lease_s):
 
 
 def _add(engine, request_id, params, prompt_token_ids, multi_modal_data=None):
-    engine.add_request(request_id, params=params, prompt_token_ids=prompt_token_ids, multi_modal_data=multi_modal_data)
+    if engine.engine_type == EngineType.COMPLETION:
+        engine.add_local_prefill(request_id, params, prompt_token_ids)
+    else:
+        engine.add_request(
+            request_id, params=params, prompt_token_ids=prompt_token_ids, multi_modal_data=multi_modal_data
+        )

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Optional
 
-from deepinfer_core.config import PDConfig
+from deepinfer_core.config import KVStoreConfig, PDConfig
 from deepinfer_core.multimodal.encoder_config import EncoderConfig
 from deepinfer_core.roles import EngineType, role_profile
 
@@ -32,6 +32,8 @@ class EngineSettings:
     max_num_seqs: Optional[int] = None
     pd: PDConfig = PDConfig()
     """The hand-off's clocks: the engines' and the router's (`RouterConfig.pd`) are this one."""
+    kv_store: KVStoreConfig = KVStoreConfig()
+    """The KV cache store under every PE and CE (off unless it names a directory)."""
 
     def to_engine_args(self, engine_type: EngineType):
         """The `EngineArgs` of an engine of `engine_type` (built in the worker's own process)."""

@@ -15,6 +15,7 @@ import threading
 from typing import Optional
 
 from deepinfer_core.roles import engine_class
+from services.common.gc_tuning import freeze_startup_heap
 from services.common.grpc_util import bind, channel, enable_reflection, new_event_loop, new_server
 from services.common.workers import POOL_NAMES, WorkerInfo, WorkerLoad
 from services.workers.roles import add_services, worker_role
@@ -162,7 +163,9 @@ class WorkerActor:
         self.server = WorkerServer(spec)
 
     def start(self) -> WorkerInfo:
-        return self.server.start()
+        info = self.server.start()
+        freeze_startup_heap()  # the actor's process is this worker's alone: its model and engine stay
+        return info
 
     def drain(self) -> int:
         return self.server.drain()

@@ -7,6 +7,7 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from typing import Optional
@@ -19,9 +20,24 @@ SMALL_ENGINE = ["--num-blocks", "512", "--block-size", "16", "--max-model-len", 
 """Small KV caches: 512 blocks of 16 tokens per engine."""
 
 
+def _isolated(args: tuple[str, ...], store_dir: str) -> list[str]:
+    """Defaults that keep one test's cluster from another's: the P/D path for every prompt (tests of
+    conditional disaggregation pass `--local-prefill-tokens`), and a KV store of its own."""
+    extra = []
+    if "--local-prefill-tokens" not in args:
+        extra += ["--local-prefill-tokens", "0"]
+    if "--kv-store-dir" not in args and "--no-kv-store" not in args:
+        extra += ["--kv-store-dir", store_dir]
+    return [*extra, *args]
+
+
 class ServeProcess:
     def __init__(self, *args: str, start_timeout_s: float = 240.0):
-        cmd = [sys.executable, "-m", "services.cli.main", "serve", "--port", "0", "--grpc-port", "0", *args]
+        self._store = tempfile.TemporaryDirectory(prefix="deepinfer-kv-store-")
+        cmd = [
+            *(sys.executable, "-m", "services.cli.main", "serve", "--port", "0", "--grpc-port", "0"),
+            *_isolated(args, self._store.name),
+        ]
         # token auth on both the cluster that starts Ray and those that join it (`--ray-address`)
         env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "token"}
         self.proc = subprocess.Popen(
@@ -87,6 +103,7 @@ class ServeProcess:
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait(10)
+        self._store.cleanup()
 
 
 def metric_value(text: str, name: str, **labels) -> float:

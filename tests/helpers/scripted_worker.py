@@ -25,10 +25,16 @@ def token_at(prompt: list[int], seed: int, j: int) -> int:
     return (prompt[0] * 31 + j * 7 + seed * 13) % VOCAB
 
 
+_UP_TO_THE_CONTEXT = 24
+"""Tokens for `max_tokens=None`: an engine would go on to the context length; a few are enough here."""
+
+
 class ScriptedWorker:
-    def __init__(self, burst: int = 1):
+    def __init__(self, burst: int = 1, token_delay_s: float = 0.0):
         self.burst = burst
         """Deltas sent back to back before the loop turns."""
+        self.token_delay_s = token_delay_s
+        """A pause after each burst: requests that stay in flight a while, as a busy engine's do."""
 
     def info(self) -> WorkerInfo:
         big = 1 << 20
@@ -38,7 +44,8 @@ class ScriptedWorker:
 
     async def generate(self, request_id, prompt, params, timeout, images=()):
         differ, tokens, text = OutputDiffer(), [], ""
-        for j in range(params.max_tokens):
+        max_tokens = params.max_tokens or _UP_TO_THE_CONTEXT
+        for j in range(max_tokens):
             t = token_at(prompt, params.seed or 0, j)
             tokens.append(t)
             text += PIECES[t % len(PIECES)]
@@ -47,7 +54,7 @@ class ScriptedWorker:
                 if s in text:  # the engine cuts a stop string off and ends the sample
                     text, finish, stop = text[: text.index(s)], "stop", s
                     break
-            if finish is None and j + 1 == params.max_tokens:
+            if finish is None and j + 1 == max_tokens:
                 finish = "length"
             out = CompletionOutput(0, text, list(tokens), logprobs=_logprobs(tokens, params.logprobs))
             out.finish_reason, out.stop_reason = finish, stop
@@ -57,7 +64,7 @@ class ScriptedWorker:
             if finish is not None:
                 return
             if (j + 1) % self.burst == 0:
-                await asyncio.sleep(0)
+                await asyncio.sleep(self.token_delay_s)
 
     async def abort(self, request_id, prefill) -> bool:
         return False

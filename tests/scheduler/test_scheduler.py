@@ -59,12 +59,33 @@ def test_prompt_never_decodes_even_with_running_sequences():  # invariant 2 at t
         assert out.prompt_run and out.is_empty
 
 
-def test_completion_only_decodes_and_ignores_waiting():
+def test_completion_decodes_handed_off_sequences_and_prefills_only_its_local_prompts():
     s = make_scheduler(EngineType.COMPLETION)
-    s.add_sequence(make_seq())
     seq = handed_off(s)
     out = s.schedule()
-    assert not out.prompt_run and out.scheduled_seqs == [seq] and len(s.waiting) == 1
+    assert not out.prompt_run and out.scheduled_seqs == [seq]
+    complete_step(s, out)
+    local = make_seq(prompt_len=6, first_token=500)  # conditional disaggregation: the only way into a CE's waiting
+    s.add_sequence(local)
+    out = s.schedule()
+    assert out.prompt_run and out.scheduled_seqs == [local] and out.num_new_tokens == [6]
+    complete_step(s, out)
+    out = s.schedule()
+    assert not out.prompt_run and set(out.scheduled_seqs) == {seq, local}
+
+
+def test_completion_local_prefills_stay_within_its_decode_bound():
+    # a CE's forward bound is max_num_seqs * (1 + nextn) tokens, however large the step budget
+    s = make_scheduler(EngineType.COMPLETION, max_num_seqs=8, max_model_len=64)
+    assert s.config.max_step_tokens == 8
+    seqs = [make_seq(prompt_len=5, first_token=100 * i) for i in range(2)]
+    for q in seqs:
+        s.add_sequence(q)
+    out = s.schedule()
+    assert out.prompt_run and out.scheduled_seqs == seqs[:1]  # 5 + 5 > 8
+    complete_step(s, out)
+    out = s.schedule()
+    assert out.prompt_run and out.scheduled_seqs == seqs[1:]
 
 
 def test_unknown_role_fails_loudly():

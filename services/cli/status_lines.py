@@ -1,0 +1,46 @@
+"""`deepinfer status`'s lines below a worker's row: where its prompts' KV came from (prefix cache,
+then each KV store tier), its local prefills, and how the router scores prefill engines."""
+
+from __future__ import annotations
+
+from proto import common_pb2
+
+PREFILL_SCORE = (
+    "  prefill choice: the lowest score = queued prompt tokens + this prompt's tokens the engine does not "
+    "hold (its remembered prefix chunks of 16 tokens); engines holding a prefix compete outside their length bucket"
+)
+
+
+def _pct(part: float, whole: float) -> str:
+    return f"{part / whole:.1%}" if whole else "-"
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"
+
+
+def cache_line(w: common_pb2.WorkerStatus) -> str:
+    """Prompt tokens by tier: L1 the engine's prefix cache, L2 its host pool, L3 the store's files."""
+    x = w.load
+    parts = [f"prefix cache {_pct(x.prefix_hits, x.prefix_queries)} of {x.prefix_queries} tokens"]
+    looked = x.kv_store_hit_tokens_l2 + x.kv_store_hit_tokens_l3 + x.kv_store_miss_tokens
+    if looked or x.kv_store_l2_capacity_bytes:
+        parts.append(
+            f"store hits l2 {_pct(x.kv_store_hit_tokens_l2, looked)} l3 {_pct(x.kv_store_hit_tokens_l3, looked)} "
+            f"of {looked} tokens looked up"
+        )
+        parts.append(
+            f"l2 {_size(x.kv_store_l2_bytes)}/{_size(x.kv_store_l2_capacity_bytes)}, "
+            f"l3 {_size(x.kv_store_l3_bytes)}/{_size(x.kv_store_l3_capacity_bytes)}"
+        )
+        if x.kv_store_corrupt_entries or x.kv_store_load_failures:
+            parts.append(f"{x.kv_store_corrupt_entries} corrupt, {x.kv_store_load_failures} failed loads")
+    if x.local_prefills:
+        parts.append(f"{x.local_prefills} local prefills")
+    if w.prefix_chunks:
+        parts.append(f"router remembers {w.prefix_chunks} prefix chunks")
+    return "      " + "; ".join(parts)

@@ -11,6 +11,7 @@ import itertools
 import pytest
 
 from deepinfer_core import SamplingParams
+from deepinfer_core.config import PDConfig
 from deepinfer_core.multimodal.embedding_handle import EMBEDDINGS_UNAVAILABLE, EmbeddingHandle
 from deepinfer_core.transfer.messages import KVTarget
 from services.common.deltas import SampleDelta
@@ -71,13 +72,14 @@ class Fakes:
         pass
 
 
-def _run(fakes: Fakes, images: list[bytes]) -> list[int] | ServiceError:
+def _run(fakes: Fakes, images: list[bytes], local_prefill_tokens: int = 0) -> list[int] | ServiceError:
     async def run():
         registry = PoolRegistry(lambda info: fakes)
         for pool, name in ((POOL_DECODE, "ce-0"), (POOL_PREFILL, "pe-0"), (POOL_ENCODER, "ve-0")):
             info = WorkerInfo(name, pool, 0, "fake", max_model_len=256, block_size=8, num_blocks=64, max_num_seqs=8)
             await registry.add(info)
-        config = RouterConfig(pools=(POOL_PREFILL, POOL_DECODE, POOL_ENCODER), admission_timeout_s=0.3)
+        pd = PDConfig(local_prefill_tokens=local_prefill_tokens)
+        config = RouterConfig(pools=(POOL_PREFILL, POOL_DECODE, POOL_ENCODER), admission_timeout_s=0.3, pd=pd)
         router = RouterCore(registry, config, "m")
         try:
             stream = router.generate("r", [1, 2, 3], SamplingParams(max_tokens=2), images=images)
@@ -90,9 +92,11 @@ def _run(fakes: Fakes, images: list[bytes]) -> list[int] | ServiceError:
     return asyncio.run(asyncio.wait_for(run(), 30))
 
 
-def test_images_are_encoded_first_and_their_leases_go_to_the_pe():
+@pytest.mark.parametrize("local_prefill_tokens", [0, 1000])
+def test_images_are_encoded_first_and_their_leases_go_to_the_pe(local_prefill_tokens):
+    """Even where short prompts are prefilled on the decode engine (which encodes no image)."""
     fakes = Fakes()
-    assert _run(fakes, [IMAGE, IMAGE]) == [5, 6]
+    assert _run(fakes, [IMAGE, IMAGE], local_prefill_tokens) == [5, 6]
     assert fakes.encodes == 1 and [len(i) for i in fakes.prefill_images] == [2]
     assert all(isinstance(h, EmbeddingHandle) for h in fakes.prefill_images[0]) and not fakes.leased
 

@@ -66,8 +66,9 @@ class SampleFlow:
         max_out = params.max_tokens or max(1, router.max_model_len - len(prompt))
         self.kv_tokens = len(prompt) + max_out
         """What the sample may hold on a decode engine (prompt + every output token)."""
-        self.prefix = chunk_hashes(prompt)
-        """The prompt's chunk hashes: which workers hold a prefix of it (prefix-aware routing)."""
+        self.prefix = [] if self.images else chunk_hashes(prompt)
+        """The prompt's chunk hashes: which workers hold a prefix of it (prefix-aware routing). None for a
+        prompt with images: its KV depends on the images, which equal placeholder tokens do not show."""
 
     def remaining(self) -> float:
         left = self.deadline - time.monotonic()

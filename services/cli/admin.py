@@ -14,6 +14,9 @@ def add_address(p: argparse.ArgumentParser) -> None:
     p.add_argument("--address", default="127.0.0.1:50051", help="the gateway's gRPC address (default: 127.0.0.1:50051)")
     p.add_argument("--api-key", default=None, help="the server's --api-key, if it has one")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the server")
+    p.add_argument("--ssl-ca-certs", default=None, help="TLS: trust the server's certificate from these CAs (PEM)")
+    p.add_argument("--ssl-certfile", default=None, help="TLS: this client certificate (PEM), for a server that asks")
+    p.add_argument("--ssl-keyfile", default=None, help="TLS: the client certificate's key (PEM)")
 
 
 def metadata(args) -> list[tuple[str, str]]:
@@ -47,9 +50,29 @@ def call(args, method: str, request):
 
     from proto import gateway_pb2_grpc
 
-    with grpc.insecure_channel(args.address) as channel:
+    with _channel(args) as channel:
         stub = gateway_pb2_grpc.ClusterStub(channel)
         try:
             return getattr(stub, method)(request, timeout=args.timeout, metadata=metadata(args))
         except grpc.RpcError as e:
             raise ValueError(f"{args.address}: {e.code().name}: {e.details()}") from None
+
+
+def _channel(args):
+    """Over TLS when any TLS option is given (the system's CAs when --ssl-ca-certs is not)."""
+    import grpc
+
+    if not (args.ssl_ca_certs or args.ssl_certfile):
+        return grpc.insecure_channel(args.address)
+
+    def read(path):
+        if not path:
+            return None
+        with open(path, "rb") as f:
+            return f.read()
+
+    key = read(args.ssl_keyfile) or read(args.ssl_certfile)
+    credentials = grpc.ssl_channel_credentials(
+        read(args.ssl_ca_certs), key if args.ssl_certfile else None, read(args.ssl_certfile)
+    )
+    return grpc.secure_channel(args.address, credentials)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 
-from services.cli import kv_store_args
+from services.cli import kv_store_args, security_args
 from services.common.limits import RequestLimits
 
 DEFAULT_LOCAL_PREFILL_TOKENS = 64
@@ -31,7 +31,6 @@ def add_parser(sub) -> None:
         help="vision encoders (images are encoded there; prefill engines read the embeddings over NIXL); "
         "default: 1 for a model with a vision tower, served P/D; 0 = engines encode in process",
     )
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/* and gRPC")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument(
         "--block-size", type=int, default=None, help="tokens per KV block (default: 64 for MLA models on CUDA, else 16)"
@@ -109,6 +108,7 @@ def add_parser(sub) -> None:
     )
     kv_store_args.add_arguments(p)
     _add_media_flags(p)
+    security_args.add_arguments(p)
     p.set_defaults(func=run)
 
 
@@ -196,7 +196,7 @@ def config_from_args(args: argparse.Namespace):
         decode=args.decode,
         colocated=args.colocated,
         engine_args=engine_args,
-        api_key=args.api_key,
+        **security_args.head_settings(args),
         limits=RequestLimits(max_n=args.max_n, request_timeout_s=args.request_timeout),
         max_concurrent_requests=args.max_concurrent_requests,
         max_concurrent_sequences=args.max_concurrent_sequences,

@@ -137,15 +137,19 @@ def add_lenient(add_servicer, servicer, server: grpc.aio.Server) -> None:
     server.add_registered_method_handlers(captured.service, handlers)
 
 
-def new_server(max_receive_bytes: int = _MAX_MESSAGE) -> grpc.aio.Server:
-    """A server refusing (RESOURCE_EXHAUSTED, before parsing) messages over `max_receive_bytes`."""
+def new_server(max_receive_bytes: int = _MAX_MESSAGE, cluster_token: str = "") -> grpc.aio.Server:
+    """A server refusing (RESOURCE_EXHAUSTED, before parsing) messages over `max_receive_bytes`; with
+    `cluster_token` it answers only calls that carry it (`services/common/auth.py`)."""
+    from services.common.auth import interceptors
+
     options = [(k, max_receive_bytes if k == "grpc.max_receive_message_length" else v) for k, v in CHANNEL_OPTIONS]
-    return grpc.aio.server(options=options)
+    return grpc.aio.server(options=options, interceptors=interceptors(cluster_token))
 
 
-def bind(server: grpc.aio.Server, host: str, port: int) -> int:
-    """Bind an insecure port (0 = any free port); returns the port."""
-    bound = server.add_insecure_port(f"{host}:{port}")
+def bind(server: grpc.aio.Server, host: str, port: int, credentials: Optional[grpc.ServerCredentials] = None) -> int:
+    """Bind a port (0 = any free port), over TLS with `credentials`, else insecure; returns the port."""
+    address = f"{host}:{port}"
+    bound = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
     if bound == 0:
         raise OSError(f"cannot bind gRPC server to {host}:{port}")
     return bound

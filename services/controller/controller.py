@@ -51,6 +51,10 @@ class PoolSpec:
     """An engine not placed on a node after this long is reported as waiting for one."""
     start_timeout_s: float = 900.0
     """An engine not serving after this long (placement included: a new pod can take minutes) fails."""
+    cluster_token: str = field(default="", repr=False)
+    """The cluster credential each worker's server asks for and its registration carries."""
+    reflection: bool = False
+    """Workers serve gRPC reflection."""
 
 
 @dataclass
@@ -163,6 +167,8 @@ class ClusterController:
             model_name=s.model_name,
             host=s.host,
             router_address=self.router_address,
+            cluster_token=s.cluster_token,
+            reflection=s.reflection,
             torch_threads=s.torch_threads,
             log_level=s.log_level,
             encoder=s.encoder,

@@ -19,6 +19,7 @@ started elsewhere register with `router_address`. `start()` is that plus Ray and
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import signal
@@ -100,6 +101,7 @@ class Head:
     def _init_ray(self) -> None:
         import ray
 
+        from services.controller.loopback import bind_to_loopback, is_loopback
         from services.metrics import multiprocess
 
         os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
@@ -110,7 +112,9 @@ class Head:
                     address=self.config.ray_address, logging_level=logging.WARNING, log_to_driver=verbose
                 )
             else:
-                loopback = self.config.host in ("127.0.0.1", "localhost", "::1")
+                loopback = is_loopback(self.config.cluster_host)
+                if loopback:
+                    bind_to_loopback()
                 context = ray.init(
                     address="local",  # a cluster of our own, even when another runs on this machine
                     num_cpus=self.config.num_cpus or os.cpu_count() or 1,
@@ -131,14 +135,17 @@ class Head:
         from services.router.service import RouterService
 
         cfg = self.config
-        self.router = RouterCore(PoolRegistry(GrpcWorkerClient), cfg.router_config(), cfg.model_name)
+        clients = functools.partial(GrpcWorkerClient, cluster_token=cfg.cluster_token)
+        self.router = RouterCore(PoolRegistry(clients), cfg.router_config(), cfg.model_name)
         self.router.start()
-        self.router_server = new_server()
+        # workers register here and the other API processes read it: only with the cluster token
+        self.router_server = new_server(cluster_token=cfg.cluster_token)
         router_pb2_grpc.add_RouterServicer_to_server(RouterService(self.router), self.router_server)
         self.cluster_service = ClusterService(self.router, self._check_api_key)
         # the other API processes pass the Cluster calls that reach them on to here
         gateway_pb2_grpc.add_ClusterServicer_to_server(self.cluster_service, self.router_server)
-        enable_reflection(self.router_server, ["deepinfer.v1.Router", "deepinfer.v1.Cluster"])
+        if cfg.internal_reflection:
+            enable_reflection(self.router_server, ["deepinfer.v1.Router", "deepinfer.v1.Cluster"])
         host, advertised = _router_host(cfg.cluster_host)
         port = bind(self.router_server, host, 0)
         self.router_address = f"{advertised}:{port}"
@@ -174,13 +181,13 @@ class Head:
         tokenizer = load_tokenizer(self._tokenizer_path())
         self.gateway = GatewayCore(self._gateway_config, tokenizer, LocalRouterClient(self.router), admission)
         registry = multiprocess.scrape_registry(metrics_dir) if metrics_dir else None
-        self.front = GatewayFront(self.gateway, self.cluster_service, registry)
+        self.front = GatewayFront(self.gateway, self.cluster_service, registry, tls=cfg.tls)
         self._load_source = registry_source(self.router.registry)
         add_load_source(self._load_source)
         for port in (cfg.port, cfg.grpc_port):  # a port shared by SO_REUSEPORT must be ours alone
             check_port_free(cfg.host, port)
         self.front.bind(cfg.host, cfg.port, cfg.grpc_port, reuse_port=cfg.api_workers > 1)
-        self.http_url = f"http://{cfg.host}:{self.front.http_port}"
+        self.http_url = f"{cfg.tls.http_scheme}://{cfg.host}:{self.front.http_port}"
         self.grpc_address = f"{cfg.host}:{self.front.grpc_port}"
 
     def _tokenizer_path(self) -> str:
@@ -201,6 +208,8 @@ class Head:
             grpc_port=self.front.grpc_port,
             head_address=self.router_address,
             counts_path=self.api_workers.counts_path,
+            cluster_token=cfg.cluster_token,
+            tls=cfg.tls,
             log_level=cfg.log_level,
         )
 

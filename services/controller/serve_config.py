@@ -8,15 +8,17 @@ the P/D hand-off's clocks, the context length — is given once.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 from deepinfer_core.multimodal.encoder_config import EncoderConfig
+from services.common.auth import new_token
 from services.common.limits import RequestLimits
 from services.common.workers import POOL_COLOCATED, POOL_DECODE, POOL_ENCODER, POOL_PREFILL
 from services.controller.controller import PoolSpec
 from services.gateway.core import GatewayConfig
 from services.gateway.media import MediaLimits, VisionInfo
+from services.gateway.tls import TLSConfig
 from services.router.config import RouterConfig
 from services.workers.spec import EngineSettings
 
@@ -37,7 +39,14 @@ class HeadConfig:
     """One NORMAL engine per replica (`decode` replicas) instead of P/D pools."""
     engine_args: EngineSettings = EngineSettings()
     """Every engine's settings (model, sizes, the P/D clocks `pd` that the router follows too)."""
-    api_key: Optional[str] = None
+    api_keys: tuple[str, ...] = field(default=(), repr=False)
+    """Any of them opens /v1/* and the gRPC API (`Authorization: Bearer <key>`); none: open."""
+    tls: TLSConfig = TLSConfig()
+    """The gateway's certificate (HTTPS and gRPC over TLS) and the CAs of client certificates."""
+    cluster_token: str = field(default_factory=new_token, repr=False)
+    """The internal services' credential (`services/common/auth.py`): made per cluster unless given."""
+    internal_reflection: bool = False
+    """The router's and the workers' gRPC servers serve reflection (the gateway's always does)."""
     limits: RequestLimits = RequestLimits()
     """`max_n` and the request deadline, for the gateway and the router alike."""
     max_concurrent_requests: int = 512
@@ -113,7 +122,7 @@ class HeadConfig:
         return GatewayConfig(
             model_name=self.model_name,
             max_model_len=self.max_model_len(),
-            api_key=self.api_key,
+            api_keys=self.api_keys,
             limits=self.limits,
             max_concurrent_requests=self.max_concurrent_requests,
             max_concurrent_sequences=self.max_concurrent_sequences,
@@ -125,11 +134,13 @@ class HeadConfig:
 
     def pool_spec(self) -> PoolSpec:
         return PoolSpec(
-            self.engine_args,
-            self.model_name,
-            "" if self.cluster_host == "auto" else self.cluster_host,
-            self.torch_threads,
-            self.gpus_per_worker,
-            self.log_level,
-            self.encoder_config,
+            engine_args=self.engine_args,
+            model_name=self.model_name,
+            host="" if self.cluster_host == "auto" else self.cluster_host,
+            torch_threads=self.torch_threads,
+            gpus_per_worker=self.gpus_per_worker,
+            log_level=self.log_level,
+            encoder=self.encoder_config,
+            cluster_token=self.cluster_token,
+            reflection=self.internal_reflection,
         )

@@ -17,17 +17,19 @@ which a terminal's Ctrl-C sends its whole process group: the head stops it then.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import signal
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 from services.common.errors import ServiceError
 from services.common.gc_tuning import freeze_startup_heap
 from services.gateway.core import GatewayConfig
+from services.gateway.tls import TLSConfig
 from services.router.config import RouterConfig
 
 logger = logging.getLogger(__name__)
@@ -52,6 +54,10 @@ class ApiProcessSpec:
     """host:port of the head's router server (Router and Cluster services)."""
     counts_path: str
     """The shared admission counts (`SharedCounts`)."""
+    cluster_token: str = field(default="", repr=False)
+    """Sent with every call to the head's router and to the workers."""
+    tls: TLSConfig = TLSConfig()
+    """The public ports' certificate, as the head serves them."""
     log_level: str = "WARNING"
 
 
@@ -80,9 +86,10 @@ class ApiProcess:
         self.spec = spec
         self.conn = conn
         self.head_pid = os.getppid()
-        self.router = RouterCore(PoolRegistry(GrpcWorkerClient), spec.router, spec.model_name)
+        clients = functools.partial(GrpcWorkerClient, cluster_token=spec.cluster_token)
+        self.router = RouterCore(PoolRegistry(clients), spec.router, spec.model_name)
         self.mirror = RegistryMirror(self.router.registry)
-        self.head = GrpcRouterClient(spec.head_address)
+        self.head = GrpcRouterClient(spec.head_address, spec.cluster_token)
         self.front = None
         self.proxy = None
 
@@ -122,8 +129,8 @@ class ApiProcess:
         path = multiprocess.directory()
         registry = multiprocess.scrape_registry(path) if path else None
         add_load_source(registry_source(self.router.registry))
-        self.proxy = ClusterProxy(spec.head_address)
-        return GatewayFront(core, self.proxy, registry, spec.index)
+        self.proxy = ClusterProxy(spec.head_address, spec.cluster_token)
+        return GatewayFront(core, self.proxy, registry, spec.index, spec.tls)
 
     async def _serve(self, stopped: asyncio.Event) -> int:
         stop = asyncio.ensure_future(stopped.wait())

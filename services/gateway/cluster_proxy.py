@@ -10,15 +10,17 @@ from __future__ import annotations
 import grpc
 
 from proto import gateway_pb2_grpc
+from services.common import auth
 from services.common.grpc_util import channel
 
 _STATUS_TIMEOUT_S = 10.0
 
 
 class ClusterProxy(gateway_pb2_grpc.ClusterServicer):
-    def __init__(self, head_address: str):
+    def __init__(self, head_address: str, cluster_token: str = ""):
+        """`cluster_token`: the head's router server asks for it; the caller's API key goes along."""
         self._channel = channel(head_address)
-        self._stub = gateway_pb2_grpc.ClusterStub(self._channel)
+        self._stub = auth.stub(gateway_pb2_grpc.ClusterStub, self._channel, cluster_token)
 
     async def Scale(self, request, context):
         timeout = (request.timeout_s or 600.0) + 30.0  # the head's own deadline runs out first

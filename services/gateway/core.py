@@ -11,7 +11,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from deepinfer_core.sampling_params import SamplingParams
@@ -29,8 +29,8 @@ class GatewayConfig:
     model_name: str
     """The model id clients ask for (`/v1/models`)."""
     max_model_len: int
-    api_key: Optional[str] = None
-    """When set, /v1/* and gRPC Generate need `Authorization: Bearer <key>`."""
+    api_keys: tuple[str, ...] = field(default=(), repr=False)
+    """When any is set, /v1/* and the gRPC API need `Authorization: Bearer <one of them>`."""
     limits: RequestLimits = RequestLimits()
     """`max_n` and the end-to-end deadline (the router's too)."""
     max_concurrent_requests: int = 512
@@ -106,10 +106,14 @@ class GatewayCore:
     def check_api_key(self, authorization: Optional[str]) -> None:
         import hmac
 
-        if self.config.api_key is None:
+        keys = self.config.api_keys
+        if not keys:
             return
         scheme, _, key = (authorization or "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(key.strip(), self.config.api_key):
+        given = key.strip().encode()
+        # every key compared (no early exit): the time taken does not tell which one came close
+        matches = [hmac.compare_digest(given, k.encode()) for k in keys]
+        if scheme.lower() != "bearer" or not any(matches):
             raise ServiceError(ErrorCode.UNAUTHENTICATED, "missing or invalid API key (Authorization: Bearer <key>)")
 
     def admit(self, prompts: list[list[int]], params: SamplingParams) -> Work:

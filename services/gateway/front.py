@@ -14,6 +14,7 @@ from typing import Optional
 
 from services.common.grpc_util import add_lenient, bind, enable_reflection, new_server
 from services.gateway.core import GatewayCore
+from services.gateway.tls import TLSConfig
 
 _STOP_GRACE_S = 5.0
 PROCESS_HEADER = "x-deepinfer-process"
@@ -21,10 +22,13 @@ PROCESS_HEADER = "x-deepinfer-process"
 
 
 class GatewayFront:
-    def __init__(self, core: GatewayCore, cluster_servicer, metrics_registry=None, process: int = 0):
+    def __init__(
+        self, core: GatewayCore, cluster_servicer, metrics_registry=None, process: int = 0, tls: TLSConfig = TLSConfig()
+    ):
         """`cluster_servicer`: the `deepinfer.v1.Cluster` service of this process (the head's own,
         or a proxy to it); `metrics_registry`: what /metrics serves (None: this process's);
-        `process`: this API process's index, in the `x-deepinfer-process` header of every response."""
+        `process`: this API process's index, in the `x-deepinfer-process` header of every response;
+        `tls`: the certificate both ports serve with (none: plain HTTP, insecure gRPC)."""
         from proto import gateway_pb2_grpc
         from services.gateway.grpc_service import GatewayService
         from services.gateway.http_app import build_app
@@ -37,6 +41,7 @@ class GatewayFront:
         enable_reflection(self.grpc_server, ["deepinfer.v1.Gateway", "deepinfer.v1.Cluster"])
         self.app = build_app(core, metrics_registry=metrics_registry)
         self.process = process
+        self.tls = tls
         self.http_port = self.grpc_port = 0
         self.http_server = None
         self.http_task: Optional[asyncio.Future] = None
@@ -44,7 +49,8 @@ class GatewayFront:
 
     def bind(self, host: str, http_port: int, grpc_port: int, reuse_port: bool = False) -> None:
         """Bind both ports (0 = any free one); they serve once `start()` runs."""
-        self.grpc_port = bind(self.grpc_server, host, grpc_port)
+        credentials = self.tls.grpc_credentials() if self.tls.enabled else None
+        self.grpc_port = bind(self.grpc_server, host, grpc_port, credentials)
         self._sock = listen_socket(host, http_port, reuse_port)
         self.http_port = self._sock.getsockname()[1]
 
@@ -58,6 +64,7 @@ class GatewayFront:
             lifespan="off",
             timeout_keep_alive=30,
             headers=[(PROCESS_HEADER, str(self.process))],  # written once per response by uvicorn itself
+            **self.tls.uvicorn_options(),
         )
         self.http_server = uvicorn.Server(config)
         self.http_task = asyncio.ensure_future(self.http_server.serve(sockets=[self._sock]))

@@ -9,6 +9,7 @@ import grpc
 
 from deepinfer_core.sampling_params import SamplingParams
 from proto import common_pb2, router_pb2, router_pb2_grpc
+from services.common import auth
 from services.common.deltas import SampleDelta
 from services.common.errors import ErrorCode, ServiceError, code_from_grpc
 from services.common.grpc_util import channel, error_from_rpc
@@ -27,9 +28,10 @@ class RouterClient(Protocol):
 
 
 class GrpcRouterClient:
-    def __init__(self, address: str):
+    def __init__(self, address: str, cluster_token: str = ""):
+        """`cluster_token`: the router's server asks for it (`services/common/auth.py`)."""
         self._channel = channel(address)
-        self._stub = router_pb2_grpc.RouterStub(self._channel)
+        self._stub = auth.stub(router_pb2_grpc.RouterStub, self._channel, cluster_token)
 
     async def generate(self, request_id, prompt, params, timeout_s, images=()) -> AsyncIterator[SampleDelta]:
         req = router_pb2.RouteRequest(

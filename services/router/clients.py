@@ -22,6 +22,7 @@ from deepinfer_core.multimodal.embedding_handle import EmbeddingHandle
 from deepinfer_core.sampling_params import SamplingParams
 from deepinfer_core.transfer.messages import KVRegion, KVTarget
 from proto import common_pb2, worker_pb2, worker_pb2_grpc
+from services.common import auth
 from services.common.deltas import SampleDelta
 from services.common.errors import ServiceError
 from services.common.grpc_util import channel, error_from_rpc
@@ -95,15 +96,16 @@ class GrpcWorkerClient:
     """`batched`: take a streaming worker's deltas through a subscription (False, or a worker
     without `Subscribe`: each request's own `Stream` / `Generate` call)."""
 
-    def __init__(self, info: WorkerInfo, batched: bool = True):
+    def __init__(self, info: WorkerInfo, batched: bool = True, cluster_token: str = ""):
+        """`cluster_token`: sent with every call (the worker's server asks for it)."""
         self.name = f"{info.pool_name} worker {info.worker_id} ({info.address})"
         self.worker_id = info.worker_id
         self.batched = batched
         self._channel = channel(info.address)
-        self._prefill = worker_pb2_grpc.PrefillStub(self._channel)
-        self._decode = worker_pb2_grpc.DecodeStub(self._channel)
-        self._worker = worker_pb2_grpc.WorkerStub(self._channel)
-        self._encoder = worker_pb2_grpc.EncoderStub(self._channel)
+        self._prefill = auth.stub(worker_pb2_grpc.PrefillStub, self._channel, cluster_token)
+        self._decode = auth.stub(worker_pb2_grpc.DecodeStub, self._channel, cluster_token)
+        self._worker = auth.stub(worker_pb2_grpc.WorkerStub, self._channel, cluster_token)
+        self._encoder = auth.stub(worker_pb2_grpc.EncoderStub, self._channel, cluster_token)
         self._inboxes: dict[str, RequestInbox] = {}
         """request id -> inbox of every request of this worker that is read through the subscription."""
         self._subscription: Optional[DeltaSubscription] = None

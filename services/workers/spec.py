@@ -58,6 +58,11 @@ class WorkerSpec:
     """gRPC port; 0 = any free port."""
     router_address: str = ""
     """Register here once serving ("" = don't)."""
+    cluster_token: str = field(default="", repr=False)
+    """The cluster credential: the worker's server refuses calls without it and its registration
+    carries it ("" = an open server, as a test may start one)."""
+    reflection: bool = False
+    """Serve gRPC reflection (off: an internal port need not describe itself)."""
     torch_threads: int = 0
     """torch intra-op threads for the engine; 0 = torch's default."""
     metrics: bool = True

@@ -109,8 +109,10 @@ class WorkerServer:
         info = worker_info(spec, engine, "") if self.role.engine_type is not None else encoder_info(spec, "")
         self.core = self.role.core(engine, spec.worker_id)
         self.core.start()
-        self._server = new_server()
-        enable_reflection(self._server, add_services(self._server, self.role, self.core))
+        self._server = new_server(cluster_token=spec.cluster_token)
+        services = add_services(self._server, self.role, self.core)
+        if spec.reflection:
+            enable_reflection(self._server, services)
         port = bind(self._server, spec.host, spec.port)
         await self._server.start()
         metrics_address = self._start_metrics() if spec.metrics else ""
@@ -128,10 +130,12 @@ class WorkerServer:
 
     async def _register(self) -> None:
         from proto import router_pb2_grpc
+        from services.common import auth
         from services.common.messages import info_to_proto
 
         async with channel(self.spec.router_address) as ch:
-            await router_pb2_grpc.RouterStub(ch).Register(info_to_proto(self.info), timeout=60)
+            router = auth.stub(router_pb2_grpc.RouterStub, ch, self.spec.cluster_token)
+            await router.Register(info_to_proto(self.info), timeout=60)
 
     # ---- control (any thread) ----------------------------------------------------------------
     def drain(self) -> int:

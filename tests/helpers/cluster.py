@@ -12,7 +12,7 @@ import threading
 import time
 from typing import Optional
 
-_READY = re.compile(r"OpenAI API at (http://\S+)/v1 , gRPC at (\S+) ")
+_READY = re.compile(r"OpenAI API at (https?://\S+)/v1 , gRPC at (\S+) ")
 _RAY = re.compile(r"Ray cluster at (\S+)")
 _API_PROCESS = re.compile(r"API process (\d+) serving \(pid (\d+)\)")
 

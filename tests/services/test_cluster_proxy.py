@@ -17,6 +17,7 @@ from services.router.core import RouterCore
 from services.router.registry import PoolRegistry
 
 KEY = "k"
+TOKEN = "cluster-token"
 
 
 def _check(context) -> None:
@@ -24,8 +25,8 @@ def _check(context) -> None:
         raise ServiceError(ErrorCode.UNAUTHENTICATED, "missing or invalid API key")
 
 
-async def _serve(servicer) -> tuple[grpc.aio.Server, str]:
-    server = new_server()
+async def _serve(servicer, cluster_token: str = "") -> tuple[grpc.aio.Server, str]:
+    server = new_server(cluster_token)
     gateway_pb2_grpc.add_ClusterServicer_to_server(servicer, server)
     address = f"127.0.0.1:{bind(server, '127.0.0.1', 0)}"
     await server.start()
@@ -35,8 +36,9 @@ async def _serve(servicer) -> tuple[grpc.aio.Server, str]:
 def test_calls_reach_the_head_with_the_callers_key_and_its_errors_come_back():
     async def run():
         router = RouterCore(PoolRegistry(lambda info: None), model="m")
-        head, head_address = await _serve(ClusterService(router, _check))
-        proxy = ClusterProxy(head_address)
+        # the head's router server asks for the cluster token: the proxy sends it beside the caller's key
+        head, head_address = await _serve(ClusterService(router, _check), TOKEN)
+        proxy = ClusterProxy(head_address, TOKEN)
         front, address = await _serve(proxy)
         try:
             async with channel(address) as ch:

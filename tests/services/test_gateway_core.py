@@ -54,7 +54,7 @@ def test_sequences_and_prompt_tokens_are_counted_not_requests():
 
 
 def test_api_key_needs_the_bearer_scheme_and_the_exact_key():
-    core = _core(api_key="k")
+    core = _core(api_keys=("k",))
     core.check_api_key("Bearer k")
     core.check_api_key("bearer k")
     for header in (None, "", "k", "Bearer", "Bearer x", "Basic k"):

@@ -28,7 +28,9 @@ def test_workers_of_their_own_register_with_a_front_only_head():
         head = Head(config)
         await head.start_front()
         specs = [
-            WorkerSpec(name, pool, ARGS, router_address=head.router_address, metrics=False)
+            WorkerSpec(
+                name, pool, ARGS, router_address=head.router_address, cluster_token=config.cluster_token, metrics=False
+            )
             for name, pool in (("ce-0", POOL_DECODE), ("pe-0", POOL_PREFILL))
         ]
         workers = [WorkerServer(specs[0]), WorkerServer(specs[1], engine=build_engine(specs[1]))]

@@ -57,7 +57,14 @@ class Groups:
         self.head = Head(HeadConfig(port=0, grpc_port=0, engine_args=ENGINE))
         await self.head.start_front()
         placements = {pool: PoolPlacement(default_resource(pool)) for pool in (POOL_PREFILL, POOL_DECODE)}
-        spec = PoolSpec(ENGINE, self.head.config.model_name, host="", placements=placements, placement_grace_s=1.0)
+        spec = PoolSpec(
+            ENGINE,
+            self.head.config.model_name,
+            host="",
+            placements=placements,
+            placement_grace_s=1.0,
+            cluster_token=self.head.config.cluster_token,
+        )
         self.controller = ClusterController(spec, self.head.router, self.head.router_address)
         self.head.cluster_service.controller = self.controller
 

@@ -64,7 +64,7 @@ _REFUSED = "this internal service needs the cluster token (x-deepinfer-cluster-t
 
 
 def _refusal(handler):
-    """A handler of the same kind as `handler` (unary or server-streaming reply) that refuses."""
+    """A handler of the same kind as `handler` (streamed requests, streamed replies or not) that refuses."""
 
     async def refuse(request, context):
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, _REFUSED)
@@ -73,9 +73,14 @@ def _refusal(handler):
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, _REFUSED)
         yield  # an async generator, as a streaming method is
 
-    if handler is not None and handler.response_streaming:
-        return grpc.unary_stream_rpc_method_handler(refuse_stream)
-    return grpc.unary_unary_rpc_method_handler(refuse)
+    streams = (handler.request_streaming, handler.response_streaming) if handler is not None else (False, False)
+    make = {
+        (False, False): grpc.unary_unary_rpc_method_handler,
+        (False, True): grpc.unary_stream_rpc_method_handler,
+        (True, False): grpc.stream_unary_rpc_method_handler,
+        (True, True): grpc.stream_stream_rpc_method_handler,
+    }[streams]
+    return make(refuse_stream if streams[1] else refuse)
 
 
 class AuthedStub:

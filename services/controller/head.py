@@ -59,6 +59,7 @@ class Head:
         """Ray, the front door, then the pools; returns once every worker is ready."""
         self._init_ray()
         await self._serve_front()
+        print(f"deepinfer: router at {self.router_address} (internal: the cluster token only)", flush=True)
         if self.api_workers is not None:
             self.api_workers.spawn()  # they start while the pools do
         await self._start_pools()

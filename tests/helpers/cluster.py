@@ -14,6 +14,7 @@ from typing import Optional
 
 _READY = re.compile(r"OpenAI API at (https?://\S+)/v1 , gRPC at (\S+) ")
 _RAY = re.compile(r"Ray cluster at (\S+)")
+_ROUTER = re.compile(r"router at (\S+) ")
 _API_PROCESS = re.compile(r"API process (\d+) serving \(pid (\d+)\)")
 
 SMALL_ENGINE = ["--num-blocks", "512", "--block-size", "16", "--max-model-len", "512"]
@@ -32,14 +33,15 @@ def _isolated(args: tuple[str, ...], store_dir: str) -> list[str]:
 
 
 class ServeProcess:
-    def __init__(self, *args: str, start_timeout_s: float = 240.0):
+    def __init__(self, *args: str, start_timeout_s: float = 240.0, env: Optional[dict] = None):
+        """`env`: variables added to this environment."""
         self._store = tempfile.TemporaryDirectory(prefix="deepinfer-kv-store-")
         cmd = [
             *(sys.executable, "-m", "services.cli.main", "serve", "--port", "0", "--grpc-port", "0"),
             *_isolated(args, self._store.name),
         ]
         # token auth on both the cluster that starts Ray and those that join it (`--ray-address`)
-        env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "token"}
+        env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "token", **(env or {})}
         self.proc = subprocess.Popen(
             cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True
         )
@@ -47,6 +49,8 @@ class ServeProcess:
         self._ready = threading.Event()
         self.url: Optional[str] = None
         self.grpc_address: Optional[str] = None
+        self.router_address: Optional[str] = None
+        """The head's router server (internal)."""
         self.ray_address: Optional[str] = None
         """The Ray cluster's address: another `serve --ray-address` can join it (saves a Ray start)."""
         threading.Thread(target=self._read, daemon=True).start()
@@ -60,6 +64,9 @@ class ServeProcess:
             ray_match = _RAY.search(line)
             if ray_match:
                 self.ray_address = ray_match.group(1)
+            router_match = _ROUTER.search(line)
+            if router_match:
+                self.router_address = router_match.group(1)
             match = _READY.search(line)
             if match:
                 self.url, self.grpc_address = match.group(1), match.group(2)

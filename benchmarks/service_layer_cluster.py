@@ -51,6 +51,7 @@ class Cluster:
         self.http_url, self.grpc_address = info["http_url"], info["grpc_address"]
         self.router_address = info["router_address"]
         self.api_pids: dict[str, int] = {f"{_API}{i + 1}": pid for i, pid in enumerate(info.get("api_pids", []))}
+        self.cluster_token = info["cluster_token"]
         pools = [("decode" if options.pd else "colocated", f"w{i}") for i in range(workers)]
         pools += [("prefill", f"p{i}") for i in range(workers if options.pd else 0)]
         started = [(pool, wid, self._start_worker(pool, wid)) for pool, wid in pools]
@@ -60,7 +61,8 @@ class Cluster:
 
     def _start_worker(self, pool: str, worker_id: str) -> Child:
         o = self.options
-        args = ["--router", self.router_address, "--worker-id", worker_id, "--pool", pool]
+        args = ["--router", self.router_address, "--cluster-token", self.cluster_token]
+        args += ["--worker-id", worker_id, "--pool", pool]
         args += ["--step-ms", str(o.step_ms), "--tokens-per-step", str(o.tokens_per_step)]
         return self.children.start(worker_id, "benchmarks.service_layer_worker", args)
 

@@ -4,9 +4,10 @@ one asyncio loop, as `deepinfer serve` runs them, without Ray and without worker
 
     python -m benchmarks.service_layer_head [--pd] [--max-concurrent-requests 4096] [--api-workers N]
 
-Prints one JSON line ({"http_url", "grpc_address", "router_address", "api_pids", "pid"}) once
-serving, then serves until its stdin closes. With `--api-workers N` the head starts N - 1 more API
-processes on the same ports, as `deepinfer serve --api-workers N` does; `api_pids` are theirs.
+Prints one JSON line ({"http_url", "grpc_address", "router_address", "api_pids", "cluster_token", "pid"})
+once serving, then serves until its stdin closes. With `--api-workers N` the head starts N - 1 more API
+processes on the same ports, as `deepinfer serve --api-workers N` does; `api_pids` are theirs; its
+workers register with `cluster_token`.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ async def serve(args: argparse.Namespace) -> None:
             "grpc_address": head.grpc_address,
             "router_address": head.router_address,
             "api_pids": api_pids,
+            "cluster_token": head.config.cluster_token,
         }
     )
     loop = asyncio.get_running_loop()

@@ -46,7 +46,7 @@ def start_server(args: argparse.Namespace, engine: TokenSourceEngine):
     from services.workers.worker_server import WorkerServer
 
     pool = {"colocated": POOL_COLOCATED, "prefill": POOL_PREFILL, "decode": POOL_DECODE}[args.pool]
-    spec = WorkerSpec(args.worker_id, pool, router_address=args.router, metrics=False)
+    spec = WorkerSpec(args.worker_id, pool, router_address=args.router, cluster_token=args.cluster_token, metrics=False)
     server = WorkerServer(spec, engine=engine)
     server.start(timeout_s=60.0)
     from services.common.gc_tuning import freeze_startup_heap
@@ -78,6 +78,7 @@ def main() -> None:
     prepare_child()
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--router", required=True, help="the head's router address (host:port)")
+    parser.add_argument("--cluster-token", default="", help="the head's cluster token (its router asks for it)")
     parser.add_argument("--worker-id", required=True)
     parser.add_argument("--pool", choices=sorted(POOLS), default="colocated")
     parser.add_argument("--step-ms", type=float, default=20.0, help="engine step period")

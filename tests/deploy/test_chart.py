@@ -141,24 +141,59 @@ def test_autoscaling_on_hands_the_controller_its_bounds_in_engines():
     assert config.planner.interval_s == 5 and config.planner.replace_dead
 
 
-def test_an_api_key_comes_from_a_secret():
-    found = manifests({"apiKey": {"value": "s3cret"}})
+def head_container(raycluster: dict) -> dict:
+    return raycluster["spec"]["headGroupSpec"]["template"]["spec"]["containers"][0]
+
+
+def test_api_keys_come_from_a_secret_as_the_environment_never_as_arguments():
+    found = manifests({"apiKey": {"value": "s3cret,other"}})
     for manifest in found:
         validate(manifest)
     secret = one(found, "Secret")
-    assert base64.b64decode(secret["data"]["api-key"]) == b"s3cret"
+    assert base64.b64decode(secret["data"]["api-key"]) == b"s3cret,other"  # several keys, comma-separated
     raycluster = one(found, "RayCluster")
-    env = raycluster["spec"]["headGroupSpec"]["template"]["spec"]["containers"][0]["env"]
-    ref = next(e for e in env if e["name"] == "DEEPINFER_API_KEY")["valueFrom"]["secretKeyRef"]
+    env = head_container(raycluster)["env"]
+    ref = next(e for e in env if e["name"] == "DEEPINFER_API_KEYS")["valueFrom"]["secretKeyRef"]
     assert ref == {"name": secret["metadata"]["name"], "key": "api-key"}
-    assert '--api-key="${DEEPINFER_API_KEY}"' in head_script(raycluster)
+    assert "--api-key" not in head_script(raycluster) and "s3cret" not in head_script(raycluster)
     existing = manifests({"apiKey": {"existingSecret": "team-keys", "secretKey": "token"}})
     assert not [m for m in existing if m["kind"] == "Secret"]
-    env = one(existing, "RayCluster")["spec"]["headGroupSpec"]["template"]["spec"]["containers"][0]["env"]
-    assert next(e for e in env if e["name"] == "DEEPINFER_API_KEY")["valueFrom"]["secretKeyRef"] == {
+    env = head_container(one(existing, "RayCluster"))["env"]
+    assert next(e for e in env if e["name"] == "DEEPINFER_API_KEYS")["valueFrom"]["secretKeyRef"] == {
         "name": "team-keys",
         "key": "token",
     }
+    assert not [e for e in env if e["name"] == "DEEPINFER_CLUSTER_TOKEN"]  # by default the head makes one
+
+
+def test_a_cluster_token_from_a_secret():
+    found = manifests({"clusterToken": {"existingSecret": "internal", "secretKey": "t"}})
+    env = head_container(one(found, "RayCluster"))["env"]
+    ref = next(e for e in env if e["name"] == "DEEPINFER_CLUSTER_TOKEN")["valueFrom"]["secretKeyRef"]
+    assert ref == {"name": "internal", "key": "t"}
+
+
+@pytest.mark.parametrize("client_ca", [False, True])
+def test_tls_from_a_secret_on_both_api_ports(client_ca):
+    found = manifests({"gateway": {"tls": {"existingSecret": "gateway-tls", "clientCA": client_ca}}})
+    for manifest in found:
+        validate(manifest)
+    raycluster = one(found, "RayCluster")
+    script, container = head_script(raycluster), head_container(raycluster)
+    assert "'--ssl-certfile=/etc/deepinfer-tls/tls.crt' '--ssl-keyfile=/etc/deepinfer-tls/tls.key'" in script
+    assert ("--ssl-ca-certs=/etc/deepinfer-tls/ca.crt" in script) == client_ca
+    volumes = raycluster["spec"]["headGroupSpec"]["template"]["spec"]["volumes"]
+    assert {"name": "tls", "secret": {"secretName": "gateway-tls"}} in volumes
+    assert {"name": "tls", "mountPath": "/etc/deepinfer-tls", "readOnly": True} in container["volumeMounts"]
+    for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
+        if client_ca:  # the kubelet has no client certificate: a TCP connection is all it can check
+            assert container[probe]["tcpSocket"] == {"port": "http"}
+        else:
+            assert container[probe]["httpGet"]["scheme"] == "HTTPS"
+    plain = head_container(one(manifests(), "RayCluster"))
+    assert "scheme" not in plain["readinessProbe"]["httpGet"] and "--ssl" not in head_script(
+        one(manifests(), "RayCluster")
+    )
 
 
 @pytest.mark.parametrize(

@@ -24,6 +24,11 @@
 {{- with $e.numBlocks -}}{{- $args = append $args (printf "--num-blocks=%d" (int .)) -}}{{- end -}}
 {{- $args = append $args (printf "--max-concurrent-requests=%d" (int $v.gateway.maxConcurrentRequests)) -}}
 {{- with $v.gateway.requestTimeout -}}{{- $args = append $args (printf "--request-timeout=%v" .) -}}{{- end -}}
+{{- if $v.gateway.tls.existingSecret -}}
+{{- $args = append $args "--ssl-certfile=/etc/deepinfer-tls/tls.crt" -}}
+{{- $args = append $args "--ssl-keyfile=/etc/deepinfer-tls/tls.key" -}}
+{{- if $v.gateway.tls.clientCA -}}{{- $args = append $args "--ssl-ca-certs=/etc/deepinfer-tls/ca.crt" -}}{{- end -}}
+{{- end -}}
 {{- range $v.gateway.extraArgs -}}{{- $args = append $args . -}}{{- end -}}
 {{- $quoted := list -}}
 {{- range $args }}{{ $quoted = append $quoted (squote .) }}{{ end -}}
@@ -35,7 +40,8 @@ set -e
 ulimit -n "${RAY_START_ULIMIT_OPEN_FILES:-65536}"
 # KubeRay's `ray start --head` for this group, returning once Ray is up instead of blocking
 ${KUBERAY_GEN_RAY_START_CMD/--block/}
-exec deepinfer --log-level={{ .Values.gateway.logLevel }} serve {{ include "deepinfer.serveArgs" . }}{{ if include "deepinfer.hasApiKey" . }} --api-key="${DEEPINFER_API_KEY}"{{ end }}
+# API keys and the cluster token come as DEEPINFER_API_KEYS / DEEPINFER_CLUSTER_TOKEN (Secrets), never as arguments
+exec deepinfer --log-level={{ .Values.gateway.logLevel }} serve {{ include "deepinfer.serveArgs" . }}
 {{- end -}}
 
 {{- define "deepinfer.headGroup" -}}
@@ -75,28 +81,35 @@ template:
           - {name: grpc, containerPort: {{ $v.gateway.grpcPort }}}
         # ready = the gateway's /health: 503 until every pool has a ready engine
         readinessProbe:
-          httpGet: {path: /health, port: http}
+          {{- include "deepinfer.probe" (dict "root" . "path" "/health") | nindent 10 }}
           periodSeconds: 5
           failureThreshold: 3
         # alive = the gateway answers at all (/health is 503 while pods are still being added)
         livenessProbe:
-          httpGet: {path: /metrics, port: http}
+          {{- include "deepinfer.probe" (dict "root" . "path" "/metrics") | nindent 10 }}
           periodSeconds: 15
           timeoutSeconds: 10
           failureThreshold: 4
         startupProbe:
-          httpGet: {path: /metrics, port: http}
+          {{- include "deepinfer.probe" (dict "root" . "path" "/metrics") | nindent 10 }}
           periodSeconds: 5
           failureThreshold: 120
         env:
           - name: RAY_USAGE_STATS_ENABLED
             value: "0"
           {{- if include "deepinfer.hasApiKey" . }}
-          - name: DEEPINFER_API_KEY
+          - name: DEEPINFER_API_KEYS
             valueFrom:
               secretKeyRef:
                 name: {{ include "deepinfer.apiKeySecret" . }}
                 key: {{ $v.apiKey.secretKey }}
+          {{- end }}
+          {{- with $v.clusterToken.existingSecret }}
+          - name: DEEPINFER_CLUSTER_TOKEN
+            valueFrom:
+              secretKeyRef:
+                name: {{ . }}
+                key: {{ $v.clusterToken.secretKey }}
           {{- end }}
           {{- with $v.head.env }}
           {{- toYaml . | nindent 10 }}
@@ -108,13 +121,33 @@ template:
         volumeMounts:
           - {name: dshm, mountPath: /dev/shm}
           - {name: pools, mountPath: /etc/deepinfer, readOnly: true}
+          {{- if $v.gateway.tls.existingSecret }}
+          - {name: tls, mountPath: /etc/deepinfer-tls, readOnly: true}
+          {{- end }}
           {{- with (include "deepinfer.modelMounts" . | trim) }}{{ . | nindent 10 }}{{ end }}
     volumes:
       {{- include "deepinfer.shmVolume" $v.head.shmSize | nindent 6 }}
       - name: pools
         configMap:
           name: {{ include "deepinfer.fullname" . }}-pools
+      {{- with $v.gateway.tls.existingSecret }}
+      - name: tls
+        secret:
+          secretName: {{ . }}
+      {{- end }}
       {{- with (include "deepinfer.modelVolumes" . | trim) }}{{ . | nindent 6 }}{{ end }}
+{{- end -}}
+
+{{/* A probe of the gateway's HTTP port: HTTPS when it serves TLS (the kubelet does not check the
+certificate); a TCP connection when it asks for client certificates, which the kubelet has none of.
+Takes (dict "root" $ "path" ...). */}}
+{{- define "deepinfer.probe" -}}
+{{- $tls := .root.Values.gateway.tls -}}
+{{- if and $tls.existingSecret $tls.clientCA -}}
+tcpSocket: {port: http}
+{{- else -}}
+httpGet: {path: {{ .path }}, port: http{{ if $tls.existingSecret }}, scheme: HTTPS{{ end }}}
+{{- end -}}
 {{- end -}}
 
 {{/* Pod fields every pod shares. Takes (dict "root" $ "nodeSelector" ... "tolerations" ... "affinity" ...). */}}

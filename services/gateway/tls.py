@@ -32,7 +32,10 @@ class TLSConfig:
         if not self.enabled and (self.keyfile or self.ca_certs):
             raise ValueError("--ssl-keyfile and --ssl-ca-certs need --ssl-certfile")
         if self.enabled:
-            self.server_context()  # reads every file now: a bad one fails at start, not per connection
+            try:  # every file read now: a bad one fails the start, not each connection
+                self.server_context()
+            except ssl.SSLError as e:
+                raise ValueError(f"TLS settings: {e}") from None
 
     def uvicorn_options(self) -> dict:
         """uvicorn.Config's TLS arguments."""

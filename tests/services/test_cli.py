@@ -25,3 +25,48 @@ def test_generate_reports_bad_input_without_a_traceback():
     assert r.returncode == 2 and "max_tokens" in r.stderr and "Traceback" not in r.stderr
     r = _cli("generate", "x", "--model", "/no/such/dir")
     assert r.returncode == 2 and "/no/such/dir" in r.stderr
+
+
+def _serve_config(argv: list[str], monkeypatch, env: dict[str, str]):
+    import argparse
+
+    from services.cli import serve
+
+    for name in ("DEEPINFER_API_KEYS", "DEEPINFER_CLUSTER_TOKEN"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--log-level", default="WARNING")
+    serve.add_parser(parser.add_subparsers())
+    return serve.config_from_args(parser.parse_args(["serve", "--gpus-per-worker", "0", *argv]))
+
+
+def test_serve_takes_api_keys_from_flags_a_file_and_the_environment(tmp_path, monkeypatch):
+    keys = tmp_path / "keys"
+    keys.write_text("# team a\nk3\n\n  k4 \nk1\n")
+    argv = ["--api-key", "k1", "--api-key", "k2", "--api-key-file", str(keys)]
+    config = _serve_config(argv, monkeypatch, {"DEEPINFER_API_KEYS": "k5, k6,,"})
+    assert config.api_keys == ("k1", "k2", "k3", "k4", "k5", "k6")
+    assert config.gateway_config().api_keys == config.api_keys
+    assert "k1" not in repr(config) and "k1" not in repr(config.gateway_config())  # never in a log line
+    assert _serve_config([], monkeypatch, {}).api_keys == ()
+
+
+def test_serve_makes_a_cluster_token_per_cluster_unless_given(monkeypatch):
+    made = [_serve_config([], monkeypatch, {}).cluster_token for _ in range(2)]
+    assert made[0] != made[1] and min(map(len, made)) >= 32
+    assert _serve_config([], monkeypatch, {"DEEPINFER_CLUSTER_TOKEN": "env-t"}).cluster_token == "env-t"
+    config = _serve_config(["--cluster-token", "flag-t"], monkeypatch, {"DEEPINFER_CLUSTER_TOKEN": "env-t"})
+    assert config.cluster_token == "flag-t" and config.pool_spec().cluster_token == "flag-t"
+    assert "flag-t" not in repr(config) and "flag-t" not in repr(config.pool_spec())
+    assert not config.internal_reflection and not config.pool_spec().reflection
+
+
+def test_serve_refuses_tls_settings_that_make_no_server(tmp_path, monkeypatch):
+    import pytest
+
+    with pytest.raises(ValueError, match="--ssl-certfile"):
+        _serve_config(["--ssl-ca-certs", str(tmp_path / "ca.pem")], monkeypatch, {})
+    with pytest.raises(FileNotFoundError):
+        _serve_config(["--ssl-certfile", str(tmp_path / "missing.pem")], monkeypatch, {})

@@ -141,6 +141,6 @@ def test_settings_that_make_no_server_are_refused_at_start(certs, tmp_path):
     with pytest.raises(ValueError, match="--ssl-certfile"):
         TLSConfig(ca_certs=certs.ca).check()
     TLSConfig(certfile=certs.server_cert, keyfile=certs.server_key, ca_certs=certs.ca).check()
-    with pytest.raises(ssl.SSLError):
+    with pytest.raises(ValueError, match="TLS settings"):
         TLSConfig(certfile=certs.server_cert, keyfile=certs.client_key).check()  # the key of another cert
     assert TLSConfig().uvicorn_options() == {} and not TLSConfig().enabled

@@ -1,8 +1,11 @@
 """The head process of `deepinfer serve`: Ray, the router, the controller and the gateway.
 
 One asyncio loop (uvloop) runs the router's gRPC server (where workers register; it serves the
-Cluster service too, for the other API processes), the gateway's gRPC server (Gateway + Cluster
-services, with reflection) and its HTTP server (uvicorn). The gateway calls the router in-process
+Cluster service too, for the other API processes; it answers only calls that carry the cluster
+token, `services/common/auth.py`), the gateway's gRPC server (Gateway + Cluster services, with
+reflection; the API key) and its HTTP server (uvicorn); both public ports serve TLS when given a
+certificate (`services/gateway/tls.py`). On one machine Ray and UCX listen on loopback only
+(`services/controller/loopback.py`). The gateway calls the router in-process
 (`LocalRouterClient`): a token is not serialized again between them. The workers are Ray actors,
 each with its own gRPC server, that register with the router.
 
@@ -102,27 +105,25 @@ class Head:
     def _init_ray(self) -> None:
         import ray
 
-        from services.controller.loopback import bind_to_loopback, is_loopback
+        from services.controller.loopback import prepare_ray
         from services.metrics import multiprocess
 
         os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
         verbose = self.config.log_level.upper() in ("DEBUG", "INFO")
+        node_ip = prepare_ray(self.config.ray_address, self.config.cluster_host)
         with multiprocess.hidden():  # the workers serve metrics of their own, never summed with ours
             if self.config.ray_address:
                 context = ray.init(
                     address=self.config.ray_address, logging_level=logging.WARNING, log_to_driver=verbose
                 )
             else:
-                loopback = is_loopback(self.config.cluster_host)
-                if loopback:
-                    bind_to_loopback()
                 context = ray.init(
                     address="local",  # a cluster of our own, even when another runs on this machine
                     num_cpus=self.config.num_cpus or os.cpu_count() or 1,
                     include_dashboard=False,
                     logging_level=logging.WARNING,
                     log_to_driver=verbose,
-                    _node_ip_address="127.0.0.1" if loopback else None,
+                    _node_ip_address=node_ip,
                 )
         self._ray_started = True
         print(f"deepinfer: Ray cluster at {context.address_info['gcs_address']}", flush=True)

@@ -137,7 +137,7 @@ def add_lenient(add_servicer, servicer, server: grpc.aio.Server) -> None:
     server.add_registered_method_handlers(captured.service, handlers)
 
 
-def new_server(max_receive_bytes: int = _MAX_MESSAGE, cluster_token: str = "") -> grpc.aio.Server:
+def new_server(max_receive_bytes: int = _MAX_MESSAGE, *, cluster_token: str = "") -> grpc.aio.Server:
     """A server refusing (RESOURCE_EXHAUSTED, before parsing) messages over `max_receive_bytes`; with
     `cluster_token` it answers only calls that carry it (`services/common/auth.py`)."""
     from services.common.auth import interceptors

@@ -139,7 +139,7 @@ def test_reflection_when_turned_on_needs_the_token_too():
     from services.common.grpc_util import bind, enable_reflection, new_server
 
     async def run():
-        server = new_server("t")
+        server = new_server(cluster_token="t")
         enable_reflection(server, [])
         address = f"127.0.0.1:{bind(server, '127.0.0.1', 0)}"
         await server.start()

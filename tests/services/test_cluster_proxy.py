@@ -26,7 +26,7 @@ def _check(context) -> None:
 
 
 async def _serve(servicer, cluster_token: str = "") -> tuple[grpc.aio.Server, str]:
-    server = new_server(cluster_token)
+    server = new_server(cluster_token=cluster_token)
     gateway_pb2_grpc.add_ClusterServicer_to_server(servicer, server)
     address = f"127.0.0.1:{bind(server, '127.0.0.1', 0)}"
     await server.start()

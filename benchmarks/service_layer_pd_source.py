@@ -16,7 +16,7 @@ from typing import Optional
 from benchmarks.token_source import SourceRequest, TokenSourceConfig, TokenSourceEngine, token_source_config
 from deepinfer_core.engine.handoff_result import HandoffResult
 from deepinfer_core.engine.load import EngineLoad
-from deepinfer_core.errors import KVTargetRejected
+from deepinfer_core.errors import InvalidRequestError, KVTargetRejected
 from deepinfer_core.outputs import RequestOutput
 from deepinfer_core.roles import EngineType
 from deepinfer_core.sampling_params import SamplingParams
@@ -114,7 +114,11 @@ class TokenSourcePrompt(TokenSourceEngine):
         params: Optional[SamplingParams] = None,
         prompt_token_ids: Optional[list[int]] = None,
         prompt: Optional[str] = None,
+        multi_modal_data: Optional[dict] = None,
     ) -> SourceRequest:
+        """As `PromptEngine.add_prefill`; a token source takes no images."""
+        if multi_modal_data:
+            raise InvalidRequestError("the token source takes no images")
         params = (params or SamplingParams()).clone()
         params.max_tokens, params.min_tokens = 1, min(params.min_tokens, 1)
         stream = self.add_request(request_id, prompt, params, prompt_token_ids)

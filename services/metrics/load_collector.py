@@ -37,6 +37,8 @@ _COUNTERS = [
     ("prefix_cache_hits", "Prompt tokens found in the prefix cache.", lambda x: x.prefix_hits),
     ("engine_kv_transfer_bytes", "KV bytes this engine wrote to decode engines.", lambda x: x.kv_transfer_bytes),
     ("handoffs", "Prefill-to-decode hand-offs (sent by a PE, received by a CE).", lambda x: x.handoffs),
+    ("spec_decode_draft_tokens", "MTP draft tokens the target model verified.", lambda x: x.spec_draft_tokens),
+    ("spec_decode_accepted_tokens", "MTP draft tokens the target model accepted.", lambda x: x.spec_accepted_tokens),
 ]
 
 _sources: list[LoadSource] = []

@@ -1,9 +1,10 @@
 """Loading the draft (MTP) model beside the target, only on an engine that drafts.
 
 A PE never calls this (`SchedulerConfig.num_speculative_tokens` is 0 for its role), so it reads
-none of the draft-only tensors. The built-in tiny model's MTP layer is drawn from the engine seed
-(a generator of its own, so the target's weights are the same with or without it); its embedding
-and head are the target's (tied, as the tiny model's are).
+none of the draft-only tensors. The built-in tiny model's MTP layer is made from the engine seed
+without touching the target's draws: its block is the target's last layer, its embedding and head
+the target's (`init_from_target_last_layer`), so its drafts are sometimes right; a layer drawn
+at random would never be.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from deepinfer_core.models.hf_config import normalize_hf_config
 from deepinfer_core.models.mtp import DeepseekMTP
 
 MTP_SEED_OFFSET = 1_000_003
-"""The built-in MTP layer's generator seed is the engine seed plus this."""
+"""`load_format="dummy"`: the MTP layer's generator seed is the engine seed plus this."""
 
 
 def text_config(model_config: ModelConfig) -> dict:
@@ -32,7 +33,6 @@ def load_mtp(model_config: ModelConfig, device: torch.device, target: nn.Module)
             model always has one), or the checkpoint's MTP tensors are incomplete.
     """
     from deepinfer_core.models.loader import (
-        init_builtin_weights,
         init_dummy_weights,
         load_checkpoint,
         read_tensor_names,
@@ -52,8 +52,7 @@ def load_mtp(model_config: ModelConfig, device: torch.device, target: nn.Module)
         mtp = DeepseekMTP(cfg, model_config.dtype)
     std = cfg.get("initializer_range") or model_config.hf_config.get("initializer_range", 0.02)
     if model_config.builtin:
-        init_builtin_weights(mtp, model_config.seed + MTP_SEED_OFFSET, std)
-        mtp.share_target_embeddings(target)
+        init_from_target_last_layer(mtp, target)
     elif model_config.load_format == "dummy":
         init_dummy_weights(mtp, model_config.seed + MTP_SEED_OFFSET, std)
     else:
@@ -61,3 +60,21 @@ def load_mtp(model_config: ModelConfig, device: torch.device, target: nn.Module)
         held = {f: [n for n in names if mtp.rename(n) is not None] for f, names in shards.items()}
         load_checkpoint(mtp, {f: n for f, n in held.items() if n}, fp8_block_size(cfg))
     return mtp.eval()
+
+
+def init_from_target_last_layer(mtp: DeepseekMTP, target: nn.Module) -> None:
+    """A draft that looks trained for benchmarks on random weights: the decoder block is a copy of the
+    target's last layer, the embedding and head are the target's, `eh_proj` passes the target's
+    hidden state through (its embedding half zero), so the draft re-applies the last layer."""
+    lm = getattr(target, "language_model", target)
+    last = lm.model.layers[-1]
+    with torch.no_grad():
+        for name, param in mtp.block.named_parameters():
+            param.copy_(last.get_parameter(name))
+        h = mtp.args.hidden_size
+        mtp.eh_proj.weight.zero_()
+        mtp.eh_proj.weight[:, h:].copy_(torch.eye(h, dtype=mtp.eh_proj.weight.dtype))
+        mtp.enorm.weight.fill_(1.0)
+        mtp.hnorm.weight.fill_(1.0)
+        mtp.shared_head.norm.weight.copy_(lm.model.norm.weight)
+    mtp.share_target_embeddings(target)

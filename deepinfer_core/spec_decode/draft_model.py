@@ -58,6 +58,11 @@ def load_mtp(model_config: ModelConfig, device: torch.device, target: nn.Module)
     else:
         shards = read_tensor_names(weight_files(model_config.path))
         held = {f: [n for n in names if mtp.rename(n) is not None] for f, names in shards.items()}
+        if not any(held.values()):
+            raise ValueError(
+                f"speculative decoding needs an MTP layer: {model_config.path} holds no "
+                f"model.layers.{mtp.layer_index}.* tensors"
+            )
         load_checkpoint(mtp, {f: n for f, n in held.items() if n}, fp8_block_size(cfg))
     return mtp.eval()
 

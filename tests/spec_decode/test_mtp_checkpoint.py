@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from deepinfer_core.builtin import TINY_MODEL_DIR
-from deepinfer_core.engine_args import EngineArgs
 from deepinfer_core.engine.llm_engine import LLMEngine
+from deepinfer_core.engine_args import EngineArgs
 from deepinfer_core.roles import EngineType
-from deepinfer_core.sequence import Sequence
 from deepinfer_core.sampling_params import SamplingParams
+from deepinfer_core.sequence import Sequence
 from deepinfer_core.spec_decode.decoder import draft_metadata
 from tests.helpers.engines import greedy, run_to_completion
 from tests.helpers.hf_models import save_hf_checkpoint, save_hf_deepseek_mtp

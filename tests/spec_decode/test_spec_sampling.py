@@ -15,7 +15,6 @@ from tests.helpers.engines import make_engine, run_to_completion
 from tests.helpers.spec import role_environment
 
 
-
 def _critical(df: int, z: float = 3.09) -> float:
     """Chi-square critical value at p = 0.001 (z = 3.09), Wilson-Hilferty (within 2% from df = 3 on)."""
     return df * (1 - 2 / (9 * df) + z * (2 / (9 * df)) ** 0.5) ** 3

@@ -153,7 +153,20 @@ class SpecDecoder:
 
     def _from_prefill(self, out: SchedulerOutputs) -> _Computed:
         counts = self.runner.last_input.attn_meta.query_lens_cpu
-        return _Computed(out, list(itertools.accumulate(counts, initial=0))[:-1], self.runner.last_hidden)
+        hidden, self.runner.last_hidden = self.runner.last_hidden, None  # not kept past the step
+        return _Computed(out, list(itertools.accumulate(counts, initial=0))[:-1], hidden)
+
+    @torch.inference_mode()
+    def start_from_handoff(self, seq: Sequence, last_hidden: torch.Tensor) -> None:
+        """A handed-off sequence (prompt KV from a PE, first token sampled there): draft from the
+        prompt's last hidden state (`handoff.py`). The draft cache of its private blocks is zeroed
+        first, as the PE computed no MTP KV for the prompt."""
+        bm = self.scheduler.block_manager
+        private = [b for b in seq.block_table if bm.ref_counts[b] == 1]
+        if private:
+            self.runner.cache.draft_kv_buffer[:, to_device(private, torch.long, self.runner.device)] = 0
+        c = seq.num_cached_tokens
+        self._draft_pass(_Computed(None, [0], last_hidden[None]), [(0, seq, c - 1, 1)])
 
     def _draft_pass(self, step: _Computed, picked: list[tuple[int, Sequence, int, int]]) -> None:
         seqs = [p[1] for p in picked]

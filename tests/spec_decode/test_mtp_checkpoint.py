@@ -14,7 +14,7 @@ from deepinfer_core.roles import EngineType
 from deepinfer_core.sampling_params import SamplingParams
 from deepinfer_core.sequence import Sequence
 from deepinfer_core.spec_decode.decoder import draft_metadata
-from tests.helpers.engines import greedy, run_to_completion
+from tests.helpers.engines import copy_handoff, greedy, prefill_on, run_to_completion
 from tests.helpers.hf_models import save_hf_checkpoint, save_hf_deepseek_mtp
 from tests.helpers.spec import oracle_drafts, role_environment
 
@@ -113,3 +113,19 @@ def test_checkpoint_without_mtp_layer_is_refused(tmp_path):
     with pytest.raises(ValueError, match="MTP layer"):
         _engine(tmp_path, nextn=1)
     assert _engine(tmp_path, nextn=0).spec is None
+
+
+def test_greedy_through_an_in_process_handoff_equals_without(checkpoint, reference):
+    """PE -> CE by block copy (`copy_handoff`, the transfer plane's reference) plus the prompt's last
+    hidden state, as the hand-off notice carries it: the CE drafts from its first decode step."""
+    pe = _engine(checkpoint[0], nextn=2, role=EngineType.PROMPT)
+    ce = _engine(checkpoint[0], nextn=2, role=EngineType.COMPLETION)
+    for j, prompt in enumerate(PROMPTS):
+        pe_seq = prefill_on(pe, f"r{j}", prompt, greedy(16))
+        hidden = pe.worker.runner.last_hidden[-1]  # one prompt per PE step: its last row
+        seq = copy_handoff(pe, pe_seq, ce, greedy(16))
+        ce.spec.start_from_handoff(seq, hidden)
+        assert len(ce.spec.slots.get(seq).tokens) == 2
+    done = run_to_completion(ce)
+    assert {rid: o.outputs[0].token_ids for rid, o in done.items()} == reference
+    assert ce.scheduler.block_manager.num_free_blocks == ce.scheduler.block_manager.num_blocks

@@ -62,6 +62,8 @@ class CacheEngine:
         src = to_device([p[0] for p in pairs], torch.int64, self.device)  # no wait for the running step
         dst = to_device([p[1] for p in pairs], torch.int64, self.device)
         ops.copy_blocks(self.kv_buffer, src, dst)
+        if self.draft_kv_caches:  # a fork's draft KV moves with its block
+            ops.copy_blocks(self.draft_kv_buffer, src, dst)
 
     def copy_state_slots(self, pairs: list[tuple[int, int]]) -> None:
         if self.states is None or not pairs:

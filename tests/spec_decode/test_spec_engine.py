@@ -81,6 +81,16 @@ def test_stop_token_inside_accepted_drafts(monkeypatch, reference):
     assert engine.scheduler.block_manager.num_free_blocks == engine.scheduler.block_manager.num_blocks
 
 
+def test_preemption_for_recompute_keeps_the_output(monkeypatch, reference):
+    """NORMAL without stop_preempted_request: a preempted sequence loses its slot and drafts with its
+    blocks, is prefilled again (its MTP KV too) and ends as without speculation."""
+    oracle_drafts(monkeypatch, reference, lambda i: i % 2 == 0, vocab=1024)
+    engine = make_engine(num_speculative_tokens=2, num_gpu_blocks=9)
+    assert _run(engine) == reference
+    assert engine.scheduler.num_preemptions > 0
+    assert engine.spec.slots.num_free == engine.spec.slots.num_slots
+
+
 def test_preemption_and_abort_with_drafts_free_everything(monkeypatch, reference):
     oracle_drafts(monkeypatch, reference, lambda i: i % 2 == 0, vocab=1024)
     engine = make_engine(num_speculative_tokens=2, num_gpu_blocks=10, stop_preempted_request=True)
@@ -151,3 +161,14 @@ def test_sampled_requests_draft_and_finish():
     out = _run(engine, PROMPTS, SamplingParams(temperature=0.8, top_k=20, max_tokens=12, ignore_eos=True))
     assert all(len(t) == 12 for t in out.values())
     assert engine.spec.slots.stats.draft_tokens > 0
+
+
+def test_forks_draft_on_their_own(reference):
+    """n > 1: the samples fork after the first token, each takes its own slot, none inherits one."""
+    engine = make_engine(num_speculative_tokens=2)
+    engine.add_request("r1", params=greedy(MAX_TOKENS, n=2), prompt_token_ids=PROMPTS[1])
+    (out,) = run_to_completion(engine).values()
+    assert [o.token_ids for o in out.outputs] == [reference["r1"]] * 2
+    engine.step()
+    assert engine.spec.slots.num_free == engine.spec.slots.num_slots
+    assert engine.scheduler.block_manager.num_free_blocks == engine.scheduler.block_manager.num_blocks

@@ -32,7 +32,7 @@ from deepinfer_core.sampling.sampling_row import SamplingRow
 from deepinfer_core.scheduler.outputs import SchedulerOutputs
 from deepinfer_core.scheduler.scheduler import Scheduler
 from deepinfer_core.sequence import Sequence
-from deepinfer_core.spec_decode.slots import DraftSlots
+from deepinfer_core.spec_decode.slots import DraftSlot, DraftSlots
 from deepinfer_core.spec_decode.verify import accept_greedy, accept_sampled
 from deepinfer_core.worker.events import to_device
 from deepinfer_core.worker.input_batch import build_model_input
@@ -68,6 +68,7 @@ class SpecDecoder:
         self.draft = draft
         self.scheduler = scheduler
         self.nextn = nextn
+        self.max_model_len = runner.config.scheduler.max_model_len
         self.slots = DraftSlots(max_num_seqs, nextn)
         scheduler.draft_slots = self.slots  # freed with the sequence's blocks
         self._last: Optional[_Computed] = None
@@ -103,11 +104,17 @@ class SpecDecoder:
         self._last = computed
         return StepHandle(lambda: result)
 
-    def _drafts(self, seq: Sequence, num_new: int):
+    def _drafts(self, seq: Sequence, num_new: int) -> Optional[DraftSlot]:
+        """The drafts seq i verifies this step, cut to what its length caps can still emit."""
         slot = self.slots.get(seq)
         if slot is None or not slot.tokens or num_new != 1 or not can_draft(seq):
             return None
-        return slot
+        n = min(len(slot.tokens), self.max_model_len - len(seq))  # positions stay under max_model_len
+        if seq.params.max_tokens is not None:  # a + 1 tokens come out of a accepted drafts
+            n = min(n, seq.params.max_tokens - len(seq.output_token_ids) - 1)
+        if n <= 0:
+            return None
+        return DraftSlot(slot.tokens[:n], slot.probs[:n] if slot.probs is not None else None)
 
     def _sample_plain(self, out, rows, drafts, logits, row0, counts, result: StepResult) -> None:
         """Sequences without drafts: the ordinary sampler on their one row."""
@@ -123,7 +130,7 @@ class SpecDecoder:
                 result.top_logprobs[i] = [sampled.top_logprobs[k] if sampled.top_logprobs else None]
 
     @staticmethod
-    def _verify(seq: Sequence, logits: torch.Tensor, slot) -> list[int]:  # logits [k+1, V]
+    def _verify(seq: Sequence, logits: torch.Tensor, slot: DraftSlot) -> list[int]:  # logits [k+1, V]
         if seq.params.is_greedy:
             return accept_greedy(logits, slot.tokens)
         target = processed_probs(logits.clone(), [_row(seq)] * logits.shape[0])
@@ -198,7 +205,7 @@ class SpecDecoder:
     def _room(self, seq: Sequence, j: int) -> bool:
         """Blocks for the chained position len(seq) - 1 + j (the next step reserves them anyway)."""
         bm = self.scheduler.block_manager
-        if not bm.can_append_slot(seq, j):
+        if len(seq) - 1 + j >= self.max_model_len or not bm.can_append_slot(seq, j):
             return False
         bm.append_slots(seq, j)
         return True

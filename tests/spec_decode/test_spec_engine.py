@@ -66,7 +66,7 @@ def test_all_drafts_right_emits_nextn_plus_one_per_step(monkeypatch, reference):
         steps += 1
     assert steps == 1 + (MAX_TOKENS - 1 + 2) // 3 + 1  # prefill, 3 tokens a step, the step that frees
     stats = engine.spec.slots.stats
-    assert stats.accepted_tokens == stats.draft_tokens - 1  # the last step's 2nd draft lies past max_tokens
+    assert stats.accepted_tokens == stats.draft_tokens == 12  # no draft verified past max_tokens
 
 
 def test_stop_token_inside_accepted_drafts(monkeypatch, reference):
@@ -161,6 +161,17 @@ def test_sampled_requests_draft_and_finish():
     out = _run(engine, PROMPTS, SamplingParams(temperature=0.8, top_k=20, max_tokens=12, ignore_eos=True))
     assert all(len(t) == 12 for t in out.values())
     assert engine.spec.slots.stats.draft_tokens > 0
+
+
+def test_drafts_stop_at_max_model_len(monkeypatch):
+    """Near max_model_len a step verifies only the drafts whose positions exist."""
+    prompt, max_len = PROMPTS[1], 36
+    ref = _run(make_engine(num_speculative_tokens=0, max_model_len=max_len), [prompt], greedy(100))
+    oracle_drafts(monkeypatch, ref, lambda i: True, vocab=1024)
+    engine = make_engine(num_speculative_tokens=3, max_model_len=max_len)
+    out = _run(engine, [prompt], greedy(100))
+    assert out == ref and len(prompt) + len(out["r0"]) == max_len
+    assert engine.spec.slots.stats.accepted_tokens == engine.spec.slots.stats.draft_tokens
 
 
 def test_forks_draft_on_their_own(reference):

@@ -63,6 +63,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--protocols", default="sse,grpc", help="sse, grpc or both")
     p.add_argument("--workers", type=int, default=1, help="token-source worker processes")
     p.add_argument("--clients", type=int, default=2, help="client processes per level")
+    p.add_argument(
+        "--api-workers", type=int, default=1, help="API processes of the head (deepinfer serve --api-workers)"
+    )
     p.add_argument("--step-ms", type=float, default=20.0, help="token source step period")
     p.add_argument("--tokens-per-step", type=int, default=1)
     p.add_argument("--max-tokens", type=int, default=64, help="output tokens per request")
@@ -93,6 +96,7 @@ def run(args: argparse.Namespace) -> dict:
         window_s=args.window_s,
         clients=args.clients,
         pd=args.pd,
+        api_workers=args.api_workers,
     )
     with tempfile.TemporaryDirectory(prefix="service-layer-") as tmp:
         children = Children(tmp)
@@ -126,7 +130,8 @@ def main(argv=None) -> int:
     when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     mode = "prefill + decode" if args.pd else "colocated"
     print(
-        f"\nService layer, token source ({mode}, {args.workers} worker(s), step {args.step_ms:g} ms, "
+        f"\nService layer, token source ({mode}, {args.workers} worker(s), {args.api_workers} API process(es), "
+        f"step {args.step_ms:g} ms, "
         f"{args.tokens_per_step} token(s)/step, {args.max_tokens} tokens/request), "
         f"{platform.machine()}, {os.cpu_count()} CPUs, {when}; window {args.window_s:g} s after {args.warmup_s:g} s\n"
     )

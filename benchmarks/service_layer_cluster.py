@@ -17,6 +17,8 @@ from typing import Any, Optional
 from benchmarks.service_layer_analysis import Emissions, Window, level_numbers
 from benchmarks.service_layer_procs import Child, Children, cpu_delta, cpu_times, sleep_until
 
+_API = "api-process-"
+
 
 @dataclass(frozen=True)
 class LoadOptions:
@@ -31,6 +33,8 @@ class LoadOptions:
     ramp_timeout_s: float = 30.0
     """Longest wait for the workers to hold every stream before the warm-up starts anyway."""
     pd: bool = False
+    api_workers: int = 1
+    """API processes of the head (`--api-workers`); their CPU is the head's."""
 
 
 class Cluster:
@@ -41,10 +45,12 @@ class Cluster:
         """Streaming workers (colocated, or decode with --pd) by worker id."""
         self.prefill: dict[str, Child] = {}
         head_args = ["--max-concurrent-requests", str(max_concurrent)] + (["--pd"] if options.pd else [])
+        head_args += ["--api-workers", str(options.api_workers)]
         self.head = children.start("head", "benchmarks.service_layer_head", head_args)
-        info = self.head.expect(60.0)
+        info = self.head.expect(120.0)
         self.http_url, self.grpc_address = info["http_url"], info["grpc_address"]
         self.router_address = info["router_address"]
+        self.api_pids: dict[str, int] = {f"{_API}{i + 1}": pid for i, pid in enumerate(info.get("api_pids", []))}
         pools = [("decode" if options.pd else "colocated", f"w{i}") for i in range(workers)]
         pools += [("prefill", f"p{i}") for i in range(workers if options.pd else 0)]
         started = [(pool, wid, self._start_worker(pool, wid)) for pool, wid in pools]
@@ -63,7 +69,7 @@ class Cluster:
         return {**self.workers, **self.prefill}
 
     def pids(self) -> dict[str, int]:
-        return {"head": self.head.pid, **{wid: c.pid for wid, c in self.all_workers.items()}}
+        return {"head": self.head.pid, **self.api_pids, **{wid: c.pid for wid, c in self.all_workers.items()}}
 
     def idle_utilisation(self, seconds: float) -> dict[str, float]:
         """Share of one core each process uses with no request in flight (health polls, timers):
@@ -72,7 +78,7 @@ class Cluster:
         before = {name: cpu_times(pid) for name, pid in pids.items()}
         time.sleep(seconds)
         after = {name: cpu_times(pid) for name, pid in pids.items()}
-        return {name: cpu_delta(before[name], after[name]) / seconds for name in pids}
+        return fold_api_processes({name: cpu_delta(before[name], after[name]) / seconds for name in pids})
 
     def configure(self, step_period_s: float) -> None:
         for child in self.all_workers.values():
@@ -154,7 +160,14 @@ def _cpu_in_window(cluster: Cluster, before: dict, after: dict, clients: list[Ch
     for wid in cluster.all_workers:
         cpu[f"{wid} service"] = cpu[wid] - (after["stats"][wid]["engine_cpu_s"] - before["stats"][wid]["engine_cpu_s"])
     cpu["clients"] = sum(cpu_delta(before["cpu"][c.name], after["cpu"][c.name]) for c in clients)
-    return cpu
+    return fold_api_processes(cpu)
+
+
+def fold_api_processes(values: dict[str, float]) -> dict[str, float]:
+    """The head's figure is every API process's together (`--api-workers`)."""
+    out = {k: v for k, v in values.items() if not k.startswith(_API)}
+    out["head"] = sum(v for k, v in values.items() if k == "head" or k.startswith(_API))
+    return out
 
 
 def _engine_batch(cluster: Cluster, before: dict, after: dict) -> Optional[float]:

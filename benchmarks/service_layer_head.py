@@ -2,10 +2,11 @@
 one asyncio loop, as `deepinfer serve` runs them, without Ray and without workers of its own
 (`Head.start_front`); token-source workers register at the router address it prints.
 
-    python -m benchmarks.service_layer_head [--pd] [--max-concurrent-requests 4096]
+    python -m benchmarks.service_layer_head [--pd] [--max-concurrent-requests 4096] [--api-workers N]
 
-Prints one JSON line ({"http_url", "grpc_address", "router_address", "pid"}) once serving, then
-serves until its stdin closes.
+Prints one JSON line ({"http_url", "grpc_address", "router_address", "api_pids", "pid"}) once
+serving, then serves until its stdin closes. With `--api-workers N` the head starts N - 1 more API
+processes on the same ports, as `deepinfer serve --api-workers N` does; `api_pids` are theirs.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ def head_config(args: argparse.Namespace):
         colocated=not args.pd,
         engine_args=EngineSettings(max_model_len=args.max_model_len),
         max_concurrent_requests=args.max_concurrent_requests,
+        api_workers=args.api_workers,
         log_level="WARNING",
     )
 
@@ -38,7 +40,15 @@ async def serve(args: argparse.Namespace) -> None:
 
     head = Head(head_config(args))
     await head.start_front()
-    reply({"http_url": head.http_url, "grpc_address": head.grpc_address, "router_address": head.router_address})
+    api_pids = [pid for i, pid in sorted(head.api_workers.pids.items()) if i] if head.api_workers else []
+    reply(
+        {
+            "http_url": head.http_url,
+            "grpc_address": head.grpc_address,
+            "router_address": head.router_address,
+            "api_pids": api_pids,
+        }
+    )
     loop = asyncio.get_running_loop()
     await loop.run_in_executor(None, sys.stdin.read)  # until the benchmark closes our stdin
 
@@ -49,15 +59,19 @@ def main() -> None:
     parser.add_argument("--pd", action="store_true", help="prefill and decode pools instead of the colocated one")
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--max-concurrent-requests", type=int, default=4096)
+    parser.add_argument("--api-workers", type=int, default=1, help="API processes on the same ports")
     args = parser.parse_args()
-    from services.common.grpc_util import install_uvloop
+    from services.metrics.multiprocess import shared_metrics
 
-    install_uvloop()
-    try:
-        asyncio.run(serve(args))
-    except Exception as e:
-        reply({"error": f"{type(e).__name__}: {e}"})
-        raise
+    with shared_metrics(enabled=args.api_workers > 1):  # before prometheus-client is imported
+        from services.common.grpc_util import install_uvloop
+
+        install_uvloop()
+        try:
+            asyncio.run(serve(args))
+        except Exception as e:
+            reply({"error": f"{type(e).__name__}: {e}"})
+            raise
     os._exit(0)  # the servers need no orderly stop: the process ends with the benchmark level
 
 

@@ -14,7 +14,7 @@ import time
 from typing import Any
 
 from benchmarks.service_layer_client import prompt_of
-from benchmarks.service_layer_cluster import Cluster
+from benchmarks.service_layer_cluster import Cluster, fold_api_processes
 from benchmarks.service_layer_procs import cpu_delta, cpu_times
 from benchmarks.service_layer_sse import HttpConnection
 from benchmarks.token_source import WORDS, TokenSourceEngine, expected_tokens, token_source_config
@@ -65,7 +65,8 @@ def measure_overhead(
     expected = "".join(WORDS[t] for t in expected_tokens(prompt, max_tokens))
     local = _local(prompt, max_tokens, repeats, step_period_s)
     served_s, local_s = statistics.median(served), statistics.median(local)
-    worker_cpu = sum(cpu_delta(before[n], after[n]) for n in pids if n != "head")
+    spent = fold_api_processes({n: cpu_delta(before[n], after[n]) for n in pids})
+    worker_cpu = sum(v for n, v in spent.items() if n != "head")
     return {
         "requests": repeats,
         "output_tokens": max_tokens,
@@ -75,7 +76,7 @@ def measure_overhead(
         "overhead_ms_per_request": (served_s - local_s) * 1e3,
         "overhead_us_per_output_token": (served_s - local_s) * 1e6 / max_tokens,
         "ratio": served_s / local_s if local_s > 0 else None,
-        "head_cpu_ms_per_request": cpu_delta(before["head"], after["head"]) * 1e3 / (repeats + 1),
+        "head_cpu_ms_per_request": spent["head"] * 1e3 / (repeats + 1),
         "workers_cpu_ms_per_request": worker_cpu * 1e3 / (repeats + 1),
         "text_exact": all(t == expected for t in texts),
     }

@@ -70,7 +70,8 @@ class Child:
     def __init__(self, name: str, module: str, args: list[str], log_dir: str):
         self.name = name
         self.log_path = os.path.join(log_dir, f"{name}.log")
-        env = {**os.environ, "PYTHONPATH": REPO_ROOT, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+        path = os.pathsep.join(p for p in (REPO_ROOT, os.environ.get("PYTHONPATH", "")) if p)  # keep the caller's
+        env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
         with open(self.log_path, "w") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", module, *args],

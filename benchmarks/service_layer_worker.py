@@ -49,6 +49,9 @@ def start_server(args: argparse.Namespace, engine: TokenSourceEngine):
     spec = WorkerSpec(args.worker_id, pool, router_address=args.router, metrics=False)
     server = WorkerServer(spec, engine=engine)
     server.start(timeout_s=60.0)
+    from services.common.gc_tuning import freeze_startup_heap
+
+    freeze_startup_heap()  # as a worker's Ray actor does
     return server
 
 

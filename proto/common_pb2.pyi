@@ -189,7 +189,7 @@ class KVTarget(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., engine_id: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., base_addr: _Optional[int] = ..., num_blocks_total: _Optional[int] = ..., device_id: _Optional[int] = ..., mem_type: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., fingerprint: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., expires_at: _Optional[float] = ..., layout: _Optional[str] = ...) -> None: ...
 
 class WorkerLoad(_message.Message):
-    __slots__ = ("worker_id", "queued_prompt_tokens", "running_requests", "waiting_requests", "total_kv_tokens", "kv_usage", "free_blocks", "num_blocks", "requests", "reservations", "prefix_queries", "prefix_hits", "kv_transfer_bytes", "handoffs", "draining", "open_streams", "computed_prompt_tokens", "kv_store_hit_tokens_l2", "kv_store_hit_tokens_l3", "kv_store_miss_tokens", "kv_store_load_bytes_l2", "kv_store_load_bytes_l3", "kv_store_saved_bytes", "kv_store_load_seconds", "kv_store_load_failures", "kv_store_corrupt_entries", "kv_store_evictions_l2", "kv_store_evictions_l3", "kv_store_l2_bytes", "kv_store_l3_bytes", "kv_store_loads", "kv_store_l2_capacity_bytes", "kv_store_l3_capacity_bytes", "local_prefills", "spec_draft_tokens", "spec_accepted_tokens", "spec_proposed_per_position", "spec_accepted_per_position")
+    __slots__ = ("worker_id", "queued_prompt_tokens", "running_requests", "waiting_requests", "total_kv_tokens", "kv_usage", "free_blocks", "num_blocks", "requests", "reservations", "prefix_queries", "prefix_hits", "kv_transfer_bytes", "handoffs", "draining", "open_streams", "computed_prompt_tokens", "kv_store_hit_tokens_l2", "kv_store_hit_tokens_l3", "kv_store_miss_tokens", "kv_store_load_bytes_l2", "kv_store_load_bytes_l3", "kv_store_saved_bytes", "kv_store_load_seconds", "kv_store_load_failures", "kv_store_corrupt_entries", "kv_store_evictions_l2", "kv_store_evictions_l3", "kv_store_l2_bytes", "kv_store_l3_bytes", "kv_store_loads", "kv_store_l2_capacity_bytes", "kv_store_l3_capacity_bytes", "local_prefills", "encoder_images", "encoder_cache_hits", "encoder_queue_images", "embedding_leases", "spec_draft_tokens", "spec_accepted_tokens", "spec_proposed_per_position", "spec_accepted_per_position")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     QUEUED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
@@ -224,6 +224,10 @@ class WorkerLoad(_message.Message):
     KV_STORE_L2_CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
     KV_STORE_L3_CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
     LOCAL_PREFILLS_FIELD_NUMBER: _ClassVar[int]
+    ENCODER_IMAGES_FIELD_NUMBER: _ClassVar[int]
+    ENCODER_CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
+    ENCODER_QUEUE_IMAGES_FIELD_NUMBER: _ClassVar[int]
+    EMBEDDING_LEASES_FIELD_NUMBER: _ClassVar[int]
     SPEC_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SPEC_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SPEC_PROPOSED_PER_POSITION_FIELD_NUMBER: _ClassVar[int]
@@ -262,11 +266,15 @@ class WorkerLoad(_message.Message):
     kv_store_l2_capacity_bytes: int
     kv_store_l3_capacity_bytes: int
     local_prefills: int
+    encoder_images: int
+    encoder_cache_hits: int
+    encoder_queue_images: int
+    embedding_leases: int
     spec_draft_tokens: int
     spec_accepted_tokens: int
     spec_proposed_per_position: _containers.RepeatedScalarFieldContainer[int]
     spec_accepted_per_position: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, worker_id: _Optional[str] = ..., queued_prompt_tokens: _Optional[int] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., total_kv_tokens: _Optional[int] = ..., kv_usage: _Optional[float] = ..., free_blocks: _Optional[int] = ..., num_blocks: _Optional[int] = ..., requests: _Optional[int] = ..., reservations: _Optional[int] = ..., prefix_queries: _Optional[int] = ..., prefix_hits: _Optional[int] = ..., kv_transfer_bytes: _Optional[int] = ..., handoffs: _Optional[int] = ..., draining: _Optional[bool] = ..., open_streams: _Optional[int] = ..., computed_prompt_tokens: _Optional[int] = ..., kv_store_hit_tokens_l2: _Optional[int] = ..., kv_store_hit_tokens_l3: _Optional[int] = ..., kv_store_miss_tokens: _Optional[int] = ..., kv_store_load_bytes_l2: _Optional[int] = ..., kv_store_load_bytes_l3: _Optional[int] = ..., kv_store_saved_bytes: _Optional[int] = ..., kv_store_load_seconds: _Optional[float] = ..., kv_store_load_failures: _Optional[int] = ..., kv_store_corrupt_entries: _Optional[int] = ..., kv_store_evictions_l2: _Optional[int] = ..., kv_store_evictions_l3: _Optional[int] = ..., kv_store_l2_bytes: _Optional[int] = ..., kv_store_l3_bytes: _Optional[int] = ..., kv_store_loads: _Optional[int] = ..., kv_store_l2_capacity_bytes: _Optional[int] = ..., kv_store_l3_capacity_bytes: _Optional[int] = ..., local_prefills: _Optional[int] = ..., spec_draft_tokens: _Optional[int] = ..., spec_accepted_tokens: _Optional[int] = ..., spec_proposed_per_position: _Optional[_Iterable[int]] = ..., spec_accepted_per_position: _Optional[_Iterable[int]] = ...) -> None: ...
+    def __init__(self, worker_id: _Optional[str] = ..., queued_prompt_tokens: _Optional[int] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., total_kv_tokens: _Optional[int] = ..., kv_usage: _Optional[float] = ..., free_blocks: _Optional[int] = ..., num_blocks: _Optional[int] = ..., requests: _Optional[int] = ..., reservations: _Optional[int] = ..., prefix_queries: _Optional[int] = ..., prefix_hits: _Optional[int] = ..., kv_transfer_bytes: _Optional[int] = ..., handoffs: _Optional[int] = ..., draining: _Optional[bool] = ..., open_streams: _Optional[int] = ..., computed_prompt_tokens: _Optional[int] = ..., kv_store_hit_tokens_l2: _Optional[int] = ..., kv_store_hit_tokens_l3: _Optional[int] = ..., kv_store_miss_tokens: _Optional[int] = ..., kv_store_load_bytes_l2: _Optional[int] = ..., kv_store_load_bytes_l3: _Optional[int] = ..., kv_store_saved_bytes: _Optional[int] = ..., kv_store_load_seconds: _Optional[float] = ..., kv_store_load_failures: _Optional[int] = ..., kv_store_corrupt_entries: _Optional[int] = ..., kv_store_evictions_l2: _Optional[int] = ..., kv_store_evictions_l3: _Optional[int] = ..., kv_store_l2_bytes: _Optional[int] = ..., kv_store_l3_bytes: _Optional[int] = ..., kv_store_loads: _Optional[int] = ..., kv_store_l2_capacity_bytes: _Optional[int] = ..., kv_store_l3_capacity_bytes: _Optional[int] = ..., local_prefills: _Optional[int] = ..., encoder_images: _Optional[int] = ..., encoder_cache_hits: _Optional[int] = ..., encoder_queue_images: _Optional[int] = ..., embedding_leases: _Optional[int] = ..., spec_draft_tokens: _Optional[int] = ..., spec_accepted_tokens: _Optional[int] = ..., spec_proposed_per_position: _Optional[_Iterable[int]] = ..., spec_accepted_per_position: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class WorkerStatus(_message.Message):
     __slots__ = ("info", "load", "state", "inflight", "prefix_chunks")

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from proto import common_pb2 as proto_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13proto/gateway.proto\x12\x0c\x64\x65\x65pinfer.v1\x1a\x12proto/common.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\";\n\x0c\x43hatMessages\x12+\n\x08messages\x18\x01 \x03(\x0b\x32\x19.deepinfer.v1.ChatMessage\"\xd5\x01\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12+\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x16.deepinfer.v1.TokenIdsH\x00\x12*\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x1a.deepinfer.v1.ChatMessagesH\x00\x12,\n\x06params\x18\x05 \x01(\x0b\x32\x1c.deepinfer.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x06 \x01(\tB\x08\n\x06prompt\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"t\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12(\n\x05\x64\x65lta\x18\x02 \x01(\x0b\x32\x19.deepinfer.v1.SampleDelta\x12\"\n\x05usage\x18\x03 \x01(\x0b\x32\x13.deepinfer.v1.Usage\"\x14\n\x12HealthCheckRequest\"1\n\x10HealthCheckReply\x12\r\n\x05ready\x18\x01 \x01(\x08\x12\x0e\n\x06\x64\x65tail\x18\x02 \x01(\t\"\x0f\n\rModelsRequest\".\n\tModelInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\"6\n\x0bModelsReply\x12\'\n\x06models\x18\x01 \x03(\x0b\x32\x17.deepinfer.v1.ModelInfo\"\x89\x01\n\x0cScaleRequest\x12\x14\n\x07prefill\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x13\n\x06\x64\x65\x63ode\x18\x02 \x01(\rH\x01\x88\x01\x01\x12\x16\n\tcolocated\x18\x03 \x01(\rH\x02\x88\x01\x01\x12\x11\n\ttimeout_s\x18\x04 \x01(\x01\x42\n\n\x08_prefillB\t\n\x07_decodeB\x0c\n\n_colocated2\xe4\x01\n\x07Gateway\x12K\n\x08Generate\x12\x1d.deepinfer.v1.GenerateRequest\x1a\x1e.deepinfer.v1.GenerateResponse0\x01\x12J\n\x06Health\x12 .deepinfer.v1.HealthCheckRequest\x1a\x1e.deepinfer.v1.HealthCheckReply\x12@\n\x06Models\x12\x1b.deepinfer.v1.ModelsRequest\x1a\x19.deepinfer.v1.ModelsReply2\x8f\x01\n\x07\x43luster\x12@\n\x05Scale\x12\x1a.deepinfer.v1.ScaleRequest\x1a\x1b.deepinfer.v1.ClusterStatus\x12\x42\n\x06Status\x12\x1b.deepinfer.v1.StatusRequest\x1a\x1b.deepinfer.v1.ClusterStatusb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13proto/gateway.proto\x12\x0c\x64\x65\x65pinfer.v1\x1a\x12proto/common.proto\"V\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12(\n\x05parts\x18\x03 \x03(\x0b\x32\x19.deepinfer.v1.ContentPart\"6\n\x0b\x43ontentPart\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12\x0f\n\x05image\x18\x02 \x01(\x0cH\x00\x42\x06\n\x04part\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\";\n\x0c\x43hatMessages\x12+\n\x08messages\x18\x01 \x03(\x0b\x32\x19.deepinfer.v1.ChatMessage\"\xd5\x01\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12+\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x16.deepinfer.v1.TokenIdsH\x00\x12*\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x1a.deepinfer.v1.ChatMessagesH\x00\x12,\n\x06params\x18\x05 \x01(\x0b\x32\x1c.deepinfer.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x06 \x01(\tB\x08\n\x06prompt\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"t\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12(\n\x05\x64\x65lta\x18\x02 \x01(\x0b\x32\x19.deepinfer.v1.SampleDelta\x12\"\n\x05usage\x18\x03 \x01(\x0b\x32\x13.deepinfer.v1.Usage\"\x14\n\x12HealthCheckRequest\"1\n\x10HealthCheckReply\x12\r\n\x05ready\x18\x01 \x01(\x08\x12\x0e\n\x06\x64\x65tail\x18\x02 \x01(\t\"\x0f\n\rModelsRequest\".\n\tModelInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\"6\n\x0bModelsReply\x12\'\n\x06models\x18\x01 \x03(\x0b\x32\x17.deepinfer.v1.ModelInfo\"\xab\x01\n\x0cScaleRequest\x12\x14\n\x07prefill\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x13\n\x06\x64\x65\x63ode\x18\x02 \x01(\rH\x01\x88\x01\x01\x12\x16\n\tcolocated\x18\x03 \x01(\rH\x02\x88\x01\x01\x12\x14\n\x07\x65ncoder\x18\x05 \x01(\rH\x03\x88\x01\x01\x12\x11\n\ttimeout_s\x18\x04 \x01(\x01\x42\n\n\x08_prefillB\t\n\x07_decodeB\x0c\n\n_colocatedB\n\n\x08_encoder2\xe4\x01\n\x07Gateway\x12K\n\x08Generate\x12\x1d.deepinfer.v1.GenerateRequest\x1a\x1e.deepinfer.v1.GenerateResponse0\x01\x12J\n\x06Health\x12 .deepinfer.v1.HealthCheckRequest\x1a\x1e.deepinfer.v1.HealthCheckReply\x12@\n\x06Models\x12\x1b.deepinfer.v1.ModelsRequest\x1a\x19.deepinfer.v1.ModelsReply2\x8f\x01\n\x07\x43luster\x12@\n\x05Scale\x12\x1a.deepinfer.v1.ScaleRequest\x1a\x1b.deepinfer.v1.ClusterStatus\x12\x42\n\x06Status\x12\x1b.deepinfer.v1.StatusRequest\x1a\x1b.deepinfer.v1.ClusterStatusb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,31 +33,33 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'proto.gateway_pb2', _global
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_CHATMESSAGE']._serialized_start=57
-  _globals['_CHATMESSAGE']._serialized_end=101
-  _globals['_TOKENIDS']._serialized_start=103
-  _globals['_TOKENIDS']._serialized_end=126
-  _globals['_CHATMESSAGES']._serialized_start=128
-  _globals['_CHATMESSAGES']._serialized_end=187
-  _globals['_GENERATEREQUEST']._serialized_start=190
-  _globals['_GENERATEREQUEST']._serialized_end=403
-  _globals['_USAGE']._serialized_start=405
-  _globals['_USAGE']._serialized_end=485
-  _globals['_GENERATERESPONSE']._serialized_start=487
-  _globals['_GENERATERESPONSE']._serialized_end=603
-  _globals['_HEALTHCHECKREQUEST']._serialized_start=605
-  _globals['_HEALTHCHECKREQUEST']._serialized_end=625
-  _globals['_HEALTHCHECKREPLY']._serialized_start=627
-  _globals['_HEALTHCHECKREPLY']._serialized_end=676
-  _globals['_MODELSREQUEST']._serialized_start=678
-  _globals['_MODELSREQUEST']._serialized_end=693
-  _globals['_MODELINFO']._serialized_start=695
-  _globals['_MODELINFO']._serialized_end=741
-  _globals['_MODELSREPLY']._serialized_start=743
-  _globals['_MODELSREPLY']._serialized_end=797
-  _globals['_SCALEREQUEST']._serialized_start=800
-  _globals['_SCALEREQUEST']._serialized_end=937
-  _globals['_GATEWAY']._serialized_start=940
-  _globals['_GATEWAY']._serialized_end=1168
-  _globals['_CLUSTER']._serialized_start=1171
-  _globals['_CLUSTER']._serialized_end=1314
+  _globals['_CHATMESSAGE']._serialized_end=143
+  _globals['_CONTENTPART']._serialized_start=145
+  _globals['_CONTENTPART']._serialized_end=199
+  _globals['_TOKENIDS']._serialized_start=201
+  _globals['_TOKENIDS']._serialized_end=224
+  _globals['_CHATMESSAGES']._serialized_start=226
+  _globals['_CHATMESSAGES']._serialized_end=285
+  _globals['_GENERATEREQUEST']._serialized_start=288
+  _globals['_GENERATEREQUEST']._serialized_end=501
+  _globals['_USAGE']._serialized_start=503
+  _globals['_USAGE']._serialized_end=583
+  _globals['_GENERATERESPONSE']._serialized_start=585
+  _globals['_GENERATERESPONSE']._serialized_end=701
+  _globals['_HEALTHCHECKREQUEST']._serialized_start=703
+  _globals['_HEALTHCHECKREQUEST']._serialized_end=723
+  _globals['_HEALTHCHECKREPLY']._serialized_start=725
+  _globals['_HEALTHCHECKREPLY']._serialized_end=774
+  _globals['_MODELSREQUEST']._serialized_start=776
+  _globals['_MODELSREQUEST']._serialized_end=791
+  _globals['_MODELINFO']._serialized_start=793
+  _globals['_MODELINFO']._serialized_end=839
+  _globals['_MODELSREPLY']._serialized_start=841
+  _globals['_MODELSREPLY']._serialized_end=895
+  _globals['_SCALEREQUEST']._serialized_start=898
+  _globals['_SCALEREQUEST']._serialized_end=1069
+  _globals['_GATEWAY']._serialized_start=1072
+  _globals['_GATEWAY']._serialized_end=1300
+  _globals['_CLUSTER']._serialized_start=1303
+  _globals['_CLUSTER']._serialized_end=1446
 # @@protoc_insertion_point(module_scope)

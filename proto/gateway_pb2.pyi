@@ -8,12 +8,22 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class ChatMessage(_message.Message):
-    __slots__ = ("role", "content")
+    __slots__ = ("role", "content", "parts")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     CONTENT_FIELD_NUMBER: _ClassVar[int]
+    PARTS_FIELD_NUMBER: _ClassVar[int]
     role: str
     content: str
-    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
+    parts: _containers.RepeatedCompositeFieldContainer[ContentPart]
+    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ..., parts: _Optional[_Iterable[_Union[ContentPart, _Mapping]]] = ...) -> None: ...
+
+class ContentPart(_message.Message):
+    __slots__ = ("text", "image")
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    image: bytes
+    def __init__(self, text: _Optional[str] = ..., image: _Optional[bytes] = ...) -> None: ...
 
 class TokenIds(_message.Message):
     __slots__ = ("ids",)
@@ -94,13 +104,15 @@ class ModelsReply(_message.Message):
     def __init__(self, models: _Optional[_Iterable[_Union[ModelInfo, _Mapping]]] = ...) -> None: ...
 
 class ScaleRequest(_message.Message):
-    __slots__ = ("prefill", "decode", "colocated", "timeout_s")
+    __slots__ = ("prefill", "decode", "colocated", "encoder", "timeout_s")
     PREFILL_FIELD_NUMBER: _ClassVar[int]
     DECODE_FIELD_NUMBER: _ClassVar[int]
     COLOCATED_FIELD_NUMBER: _ClassVar[int]
+    ENCODER_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     prefill: int
     decode: int
     colocated: int
+    encoder: int
     timeout_s: float
-    def __init__(self, prefill: _Optional[int] = ..., decode: _Optional[int] = ..., colocated: _Optional[int] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+    def __init__(self, prefill: _Optional[int] = ..., decode: _Optional[int] = ..., colocated: _Optional[int] = ..., encoder: _Optional[int] = ..., timeout_s: _Optional[float] = ...) -> None: ...

@@ -25,21 +25,21 @@ _sym_db = _symbol_database.Default()
 from proto import common_pb2 as proto_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x12proto/router.proto\x12\x0c\x64\x65\x65pinfer.v1\x1a\x12proto/common.proto\"}\n\x0cRouteRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12,\n\x06params\x18\x03 \x01(\x0b\x32\x1c.deepinfer.v1.SamplingParams\x12\x11\n\ttimeout_s\x18\x04 \x01(\x01\"!\n\rRegisterReply\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\"&\n\x11\x44\x65registerRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\" \n\x0f\x44\x65registerReply\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\x32\xe8\x02\n\x06Router\x12\x43\n\x08Generate\x12\x1a.deepinfer.v1.RouteRequest\x1a\x19.deepinfer.v1.SampleDelta0\x01\x12\x41\n\x08Register\x12\x18.deepinfer.v1.WorkerInfo\x1a\x1b.deepinfer.v1.RegisterReply\x12L\n\nDeregister\x12\x1f.deepinfer.v1.DeregisterRequest\x1a\x1d.deepinfer.v1.DeregisterReply\x12\x44\n\x05\x44rain\x12\x1f.deepinfer.v1.DeregisterRequest\x1a\x1a.deepinfer.v1.WorkerStatus\x12\x42\n\x06Status\x12\x1b.deepinfer.v1.StatusRequest\x1a\x1b.deepinfer.v1.ClusterStatusb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x12proto/router.proto\x12\x0c\x64\x65\x65pinfer.v1\x1a\x12proto/common.proto\"\x8d\x01\n\x0cRouteRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12,\n\x06params\x18\x03 \x01(\x0b\x32\x1c.deepinfer.v1.SamplingParams\x12\x11\n\ttimeout_s\x18\x04 \x01(\x01\x12\x0e\n\x06images\x18\x05 \x03(\x0c\"!\n\rRegisterReply\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\"&\n\x11\x44\x65registerRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\" \n\x0f\x44\x65registerReply\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\x32\xe8\x02\n\x06Router\x12\x43\n\x08Generate\x12\x1a.deepinfer.v1.RouteRequest\x1a\x19.deepinfer.v1.SampleDelta0\x01\x12\x41\n\x08Register\x12\x18.deepinfer.v1.WorkerInfo\x1a\x1b.deepinfer.v1.RegisterReply\x12L\n\nDeregister\x12\x1f.deepinfer.v1.DeregisterRequest\x1a\x1d.deepinfer.v1.DeregisterReply\x12\x44\n\x05\x44rain\x12\x1f.deepinfer.v1.DeregisterRequest\x1a\x1a.deepinfer.v1.WorkerStatus\x12\x42\n\x06Status\x12\x1b.deepinfer.v1.StatusRequest\x1a\x1b.deepinfer.v1.ClusterStatusb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'proto.router_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_ROUTEREQUEST']._serialized_start=56
-  _globals['_ROUTEREQUEST']._serialized_end=181
-  _globals['_REGISTERREPLY']._serialized_start=183
-  _globals['_REGISTERREPLY']._serialized_end=216
-  _globals['_DEREGISTERREQUEST']._serialized_start=218
-  _globals['_DEREGISTERREQUEST']._serialized_end=256
-  _globals['_DEREGISTERREPLY']._serialized_start=258
-  _globals['_DEREGISTERREPLY']._serialized_end=290
-  _globals['_ROUTER']._serialized_start=293
-  _globals['_ROUTER']._serialized_end=653
+  _globals['_ROUTEREQUEST']._serialized_start=57
+  _globals['_ROUTEREQUEST']._serialized_end=198
+  _globals['_REGISTERREPLY']._serialized_start=200
+  _globals['_REGISTERREPLY']._serialized_end=233
+  _globals['_DEREGISTERREQUEST']._serialized_start=235
+  _globals['_DEREGISTERREQUEST']._serialized_end=273
+  _globals['_DEREGISTERREPLY']._serialized_start=275
+  _globals['_DEREGISTERREPLY']._serialized_end=307
+  _globals['_ROUTER']._serialized_start=310
+  _globals['_ROUTER']._serialized_end=670
 # @@protoc_insertion_point(module_scope)

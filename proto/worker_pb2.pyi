@@ -8,30 +8,36 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "params", "kv_target")
+    __slots__ = ("request_id", "prompt_token_ids", "params", "kv_target", "images", "image_embeds")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     KV_TARGET_FIELD_NUMBER: _ClassVar[int]
+    IMAGES_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_EMBEDS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     params: _common_pb2.SamplingParams
     kv_target: _common_pb2.KVTarget
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., kv_target: _Optional[_Union[_common_pb2.KVTarget, _Mapping]] = ...) -> None: ...
+    images: _containers.RepeatedScalarFieldContainer[bytes]
+    image_embeds: _containers.RepeatedCompositeFieldContainer[EmbeddingHandle]
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., kv_target: _Optional[_Union[_common_pb2.KVTarget, _Mapping]] = ..., images: _Optional[_Iterable[bytes]] = ..., image_embeds: _Optional[_Iterable[_Union[EmbeddingHandle, _Mapping]]] = ...) -> None: ...
 
 class PrefillReply(_message.Message):
-    __slots__ = ("first", "kv_bytes", "kv_seconds", "queue_seconds", "kv_exposed_seconds")
+    __slots__ = ("first", "kv_bytes", "kv_seconds", "queue_seconds", "kv_exposed_seconds", "embeds_seconds")
     FIRST_FIELD_NUMBER: _ClassVar[int]
     KV_BYTES_FIELD_NUMBER: _ClassVar[int]
     KV_SECONDS_FIELD_NUMBER: _ClassVar[int]
     QUEUE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     KV_EXPOSED_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    EMBEDS_SECONDS_FIELD_NUMBER: _ClassVar[int]
     first: _common_pb2.SampleDelta
     kv_bytes: int
     kv_seconds: float
     queue_seconds: float
     kv_exposed_seconds: float
-    def __init__(self, first: _Optional[_Union[_common_pb2.SampleDelta, _Mapping]] = ..., kv_bytes: _Optional[int] = ..., kv_seconds: _Optional[float] = ..., queue_seconds: _Optional[float] = ..., kv_exposed_seconds: _Optional[float] = ...) -> None: ...
+    embeds_seconds: float
+    def __init__(self, first: _Optional[_Union[_common_pb2.SampleDelta, _Mapping]] = ..., kv_bytes: _Optional[int] = ..., kv_seconds: _Optional[float] = ..., queue_seconds: _Optional[float] = ..., kv_exposed_seconds: _Optional[float] = ..., embeds_seconds: _Optional[float] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "params", "lease_s", "subscriber_id")
@@ -60,16 +66,18 @@ class StreamRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ...) -> None: ...
 
 class GenerateWork(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "params", "subscriber_id")
+    __slots__ = ("request_id", "prompt_token_ids", "params", "subscriber_id", "images")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     SUBSCRIBER_ID_FIELD_NUMBER: _ClassVar[int]
+    IMAGES_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     params: _common_pb2.SamplingParams
     subscriber_id: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., subscriber_id: _Optional[str] = ...) -> None: ...
+    images: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., subscriber_id: _Optional[str] = ..., images: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class SubmitReply(_message.Message):
     __slots__ = ()
@@ -130,12 +138,48 @@ class EncodeRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., images: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class EncodeReply(_message.Message):
-    __slots__ = ("embeddings_handle", "num_tokens")
-    EMBEDDINGS_HANDLE_FIELD_NUMBER: _ClassVar[int]
-    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    embeddings_handle: bytes
-    num_tokens: int
-    def __init__(self, embeddings_handle: _Optional[bytes] = ..., num_tokens: _Optional[int] = ...) -> None: ...
+    __slots__ = ("handles",)
+    HANDLES_FIELD_NUMBER: _ClassVar[int]
+    handles: _containers.RepeatedCompositeFieldContainer[EmbeddingHandle]
+    def __init__(self, handles: _Optional[_Iterable[_Union[EmbeddingHandle, _Mapping]]] = ...) -> None: ...
+
+class EmbeddingHandle(_message.Message):
+    __slots__ = ("agent_name", "agent_metadata", "addr", "num_bytes", "shape", "dtype", "content_hash", "lease_id", "expires_at", "mem_type", "device_id")
+    AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
+    AGENT_METADATA_FIELD_NUMBER: _ClassVar[int]
+    ADDR_FIELD_NUMBER: _ClassVar[int]
+    NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_HASH_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_AT_FIELD_NUMBER: _ClassVar[int]
+    MEM_TYPE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_ID_FIELD_NUMBER: _ClassVar[int]
+    agent_name: str
+    agent_metadata: bytes
+    addr: int
+    num_bytes: int
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    dtype: str
+    content_hash: int
+    lease_id: int
+    expires_at: float
+    mem_type: str
+    device_id: int
+    def __init__(self, agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., addr: _Optional[int] = ..., num_bytes: _Optional[int] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., content_hash: _Optional[int] = ..., lease_id: _Optional[int] = ..., expires_at: _Optional[float] = ..., mem_type: _Optional[str] = ..., device_id: _Optional[int] = ...) -> None: ...
+
+class ReleaseRequest(_message.Message):
+    __slots__ = ("lease_ids",)
+    LEASE_IDS_FIELD_NUMBER: _ClassVar[int]
+    lease_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, lease_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class ReleaseReply(_message.Message):
+    __slots__ = ("released",)
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
+    released: int
+    def __init__(self, released: _Optional[int] = ...) -> None: ...
 
 class HealthRequest(_message.Message):
     __slots__ = ()

@@ -507,6 +507,11 @@ class EncoderStub:
                 request_serializer=proto_dot_worker__pb2.EncodeRequest.SerializeToString,
                 response_deserializer=proto_dot_worker__pb2.EncodeReply.FromString,
                 _registered_method=True)
+        self.Release = channel.unary_unary(
+                '/deepinfer.v1.Encoder/Release',
+                request_serializer=proto_dot_worker__pb2.ReleaseRequest.SerializeToString,
+                response_deserializer=proto_dot_worker__pb2.ReleaseReply.FromString,
+                _registered_method=True)
 
 
 class EncoderServicer:
@@ -514,7 +519,17 @@ class EncoderServicer:
     """
 
     def Encode(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Decode, preprocess and encode the images (batched with other requests'); answers with a
+        lease per image. INVALID_ARGUMENT for an image that does not decode, RESOURCE_EXHAUSTED when
+        the pool or the queue is full.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Release(self, request, context):
+        """Free leases early (a request that will not read them: aborted, failed before the read).
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -526,6 +541,11 @@ def add_EncoderServicer_to_server(servicer, server):
                     servicer.Encode,
                     request_deserializer=proto_dot_worker__pb2.EncodeRequest.FromString,
                     response_serializer=proto_dot_worker__pb2.EncodeReply.SerializeToString,
+            ),
+            'Release': grpc.unary_unary_rpc_method_handler(
+                    servicer.Release,
+                    request_deserializer=proto_dot_worker__pb2.ReleaseRequest.FromString,
+                    response_serializer=proto_dot_worker__pb2.ReleaseReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -556,6 +576,33 @@ class Encoder:
             '/deepinfer.v1.Encoder/Encode',
             proto_dot_worker__pb2.EncodeRequest.SerializeToString,
             proto_dot_worker__pb2.EncodeReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Release(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/deepinfer.v1.Encoder/Release',
+            proto_dot_worker__pb2.ReleaseRequest.SerializeToString,
+            proto_dot_worker__pb2.ReleaseReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -2,6 +2,8 @@
 
     {"image": one or a list of images}       -> preprocess -> encoder.encode_images -> embeddings
     {"image_embeds": [N, P, H] or [[P, H]]}  -> embeddings computed elsewhere (a vision-encoder process)
+      (+ "image_hashes": [N] ints)             -> with that process's content hash of each image, so the
+                                                  prefix cache keys them as an in-process encode would
 
 then expands the prompt's image placeholders (`multimodal.inputs`) and binds each image's
 embeddings to its positions. The encoder is any module with `encode_images(pixel_values)`,
@@ -62,11 +64,17 @@ class MultiModalProcessor:
             InvalidRequestError: an unknown modality, not an image, or placeholders that do not match
                 the images.
         """
+        given_hashes = data.get("image_hashes")
+        data = {k: v for k, v in data.items() if k != "image_hashes" or "image_embeds" not in data}
         unknown = sorted(set(data) - set(MODALITIES))
         if unknown or len(data) != 1:
             raise InvalidRequestError(f"multi_modal_data takes exactly one of {MODALITIES}, got {sorted(data)}")
         if "image_embeds" in data:
             embeds, hashes = self._given_embeds(data["image_embeds"])
+            if given_hashes is not None:
+                if len(given_hashes) != len(embeds):
+                    raise InvalidRequestError(f"{len(given_hashes)} image_hashes for {len(embeds)} image_embeds")
+                hashes = [int(h) for h in given_hashes]
         else:
             images = data["image"] if isinstance(data["image"], (list, tuple)) else [data["image"]]
             if not images:

@@ -46,7 +46,12 @@ def _add_serve(sub) -> None:
 def _add_sweep(sub) -> None:
     p = sub.add_parser("sweep", help="start deepinfer serve per configuration and find each one's goodput")
     g = p.add_argument_group("sweep")
-    g.add_argument("--configs", default="colocated,1p1d", help="e.g. colocated,1p1d,2p1d (default: colocated,1p1d)")
+    g.add_argument(
+        "--configs",
+        default="colocated,1p1d",
+        help="e.g. colocated,1p1d,2p1d; XpYd-cond: short prompts prefilled on the decode engine; "
+        "XpYd-nostore: no KV store (default: colocated,1p1d)",
+    )
     g.add_argument("--request-rates", default="1,2,4,8", help="comma-separated requests/s (default: 1,2,4,8)")
     g.add_argument(
         "--serve-args", default="", help='extra flags for every deepinfer serve, e.g. --serve-args="--num-blocks 512"'

@@ -1,4 +1,4 @@
-"""`deepinfer scale --prefill N --decode N`: resize the pools of a running cluster."""
+"""`deepinfer scale --prefill N --decode N --encoder N`: resize the pools of a running cluster."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ def add_parser(sub) -> None:
     p.add_argument("--prefill", type=int, default=None, help="prefill engines")
     p.add_argument("--decode", type=int, default=None, help="decode engines")
     p.add_argument("--colocated", type=int, default=None, help="NORMAL engines (a --colocated cluster)")
+    p.add_argument("--encoder", type=int, default=None, help="vision encoders (a cluster started with --encoder >= 1)")
     admin.add_address(p)
     p.set_defaults(func=run)
 
@@ -19,9 +20,10 @@ def add_parser(sub) -> None:
 def run(args: argparse.Namespace) -> int:
     from proto import gateway_pb2
 
-    wanted = {k: getattr(args, k) for k in ("prefill", "decode", "colocated") if getattr(args, k) is not None}
+    names = ("prefill", "decode", "colocated", "encoder")
+    wanted = {k: getattr(args, k) for k in names if getattr(args, k) is not None}
     if not wanted:
-        raise ValueError("give at least one of --prefill, --decode, --colocated")
+        raise ValueError("give at least one of --prefill, --decode, --colocated, --encoder")
     print(f"scaling to {', '.join(f'{v} {k}' for k, v in wanted.items())} ...", flush=True)
     request = gateway_pb2.ScaleRequest(timeout_s=args.timeout, **wanted)
     print(admin.format_status(admin.call(args, "Scale", request)))

@@ -24,6 +24,13 @@ def add_parser(sub) -> None:
     p.add_argument("--prefill", type=int, default=1, help="prefill engines (default: 1)")
     p.add_argument("--decode", type=int, default=1, help="decode engines, or NORMAL engines with --colocated")
     p.add_argument("--colocated", action="store_true", help="one NORMAL engine per replica instead of P/D pools")
+    p.add_argument(
+        "--encoder",
+        type=int,
+        default=None,
+        help="vision encoders (images are encoded there; prefill engines read the embeddings over NIXL); "
+        "default: 1 for a model with a vision tower, served P/D; 0 = engines encode in process",
+    )
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/* and gRPC")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument(
@@ -101,7 +108,56 @@ def add_parser(sub) -> None:
         f"{DEFAULT_LOCAL_PREFILL_TOKENS})",
     )
     kv_store_args.add_arguments(p)
+    _add_media_flags(p)
     p.set_defaults(func=run)
+
+
+def _add_media_flags(p) -> None:
+    from services.gateway.media import MediaLimits
+
+    g = p.add_argument_group("images (chat image_url parts)")
+    g.add_argument("--max-images-per-request", type=int, default=MediaLimits.max_images)
+    g.add_argument(
+        "--max-image-bytes", type=int, default=MediaLimits.max_image_bytes, help="bytes of one encoded image"
+    )
+    g.add_argument(
+        "--max-image-pixels", type=int, default=MediaLimits.max_image_pixels, help="width * height of one image"
+    )
+    g.add_argument(
+        "--allowed-media-dir", default=None, help="file:// image URLs are read from under this directory only"
+    )
+    g.add_argument(
+        "--allow-media-fetch", action="store_true", help="fetch http(s) image URLs (off: they are refused with 400)"
+    )
+
+
+def _encoders(args: argparse.Namespace) -> int:
+    """--encoder, or its default: one for a P/D cluster of a model with a vision tower (NORMAL
+    engines of a colocated cluster encode in process)."""
+    if args.encoder is not None:
+        if args.encoder < 0:
+            raise ValueError("--encoder must be >= 0")
+        return args.encoder
+    if args.colocated:
+        return 0
+    from deepinfer_core.builtin import TINY_MODEL_DIR
+    from services.gateway.media import VisionInfo
+
+    return int(VisionInfo.from_model(args.model or TINY_MODEL_DIR) is not None)
+
+
+def _media_limits(args: argparse.Namespace):
+    from services.gateway.media import MediaLimits
+
+    if args.max_images_per_request < 0 or args.max_image_bytes < 1 or args.max_image_pixels < 1:
+        raise ValueError("--max-images-per-request must be >= 0, --max-image-bytes and --max-image-pixels >= 1")
+    return MediaLimits(
+        max_images=args.max_images_per_request,
+        max_image_bytes=args.max_image_bytes,
+        max_image_pixels=args.max_image_pixels,
+        allowed_media_dir=args.allowed_media_dir,
+        allow_fetch=args.allow_media_fetch,
+    )
 
 
 def config_from_args(args: argparse.Namespace):
@@ -131,6 +187,7 @@ def config_from_args(args: argparse.Namespace):
         if getattr(args, name) < (0 if name == "prefill" and args.colocated else 1):
             raise ValueError(f"--{name} must be at least 1")
     return HeadConfig(
+        encoder=_encoders(args),
         served_model_name=args.served_model_name,
         host=args.host,
         port=args.port,
@@ -154,6 +211,7 @@ def config_from_args(args: argparse.Namespace):
         pools_config=args.pools_config,
         cluster_host=args.cluster_host,
         log_level=args.log_level.upper(),
+        media=_media_limits(args),
     )
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import asdict, fields
 from typing import Optional
 
+from deepinfer_core.multimodal.embedding_handle import EmbeddingHandle
 from deepinfer_core.transfer.messages import KVRegion, KVTarget
 from proto import common_pb2, worker_pb2
 from services.common.deltas import SampleDelta, TokenLogprob
@@ -95,12 +96,18 @@ def prefill_result_to_proto(r: PrefillResult) -> worker_pb2.PrefillReply:
         kv_seconds=r.kv_seconds,
         queue_seconds=r.queue_seconds,
         kv_exposed_seconds=r.kv_exposed_seconds,
+        embeds_seconds=r.embeds_seconds,
     )
 
 
 def prefill_result_from_proto(msg: worker_pb2.PrefillReply) -> PrefillResult:
     return PrefillResult(
-        delta_from_proto(msg.first), msg.kv_bytes, msg.kv_seconds, msg.queue_seconds, msg.kv_exposed_seconds
+        delta_from_proto(msg.first),
+        msg.kv_bytes,
+        msg.kv_seconds,
+        msg.queue_seconds,
+        msg.kv_exposed_seconds,
+        msg.embeds_seconds,
     )
 
 
@@ -121,3 +128,12 @@ def load_to_proto(load: WorkerLoad) -> common_pb2.WorkerLoad:
 def load_from_proto(msg: common_pb2.WorkerLoad) -> WorkerLoad:
     values = {f.name: getattr(msg, f.name) for f in fields(WorkerLoad)}
     return WorkerLoad(**{k: list(v) if hasattr(v, "extend") else v for k, v in values.items()})  # repeated -> list
+
+
+def handle_to_proto(h: EmbeddingHandle) -> worker_pb2.EmbeddingHandle:
+    return worker_pb2.EmbeddingHandle(**{**asdict(h), "shape": list(h.shape)})
+
+
+def handle_from_proto(msg: worker_pb2.EmbeddingHandle) -> EmbeddingHandle:
+    values = {f.name: getattr(msg, f.name) for f in fields(EmbeddingHandle)}
+    return EmbeddingHandle(**{**values, "shape": tuple(msg.shape)})

@@ -19,3 +19,5 @@ class PrefillResult:
     """Admission to the first prefill step."""
     kv_exposed_seconds: float = 0.0
     """End of the prefill forward to completion of every write: what the hand-off adds to TTFT."""
+    embeds_seconds: float = 0.0
+    """Reading the images' embeddings from vision encoders (0 without)."""

@@ -51,3 +51,11 @@ class WorkerLoad(EngineLoad):
     worker_id: str = ""
     draining: bool = False
     open_streams: int = 0
+    encoder_images: int = 0
+    """VE: images encoded (the vision tower ran on them)."""
+    encoder_cache_hits: int = 0
+    """VE: images served from the encoder cache, not encoded again."""
+    encoder_queue_images: int = 0
+    """VE: images waiting for a batch now."""
+    embedding_leases: int = 0
+    """VE: embedding pool slots leased now (0 once every reader has read or every lease expired)."""

@@ -22,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from deepinfer_core.multimodal.encoder_config import EncoderConfig
 from services.common.errors import ErrorCode, ServiceError
 from services.common.workers import POOL_NAMES
 from services.controller.placement import PoolPlacement, unplaceable_reason
@@ -42,6 +43,8 @@ class PoolSpec:
     torch_threads: int = 1
     gpus_per_worker: float = 0.0
     log_level: str = "WARNING"
+    encoder: EncoderConfig = EncoderConfig()
+    """Vision encoders' batching, pool and cache."""
     placements: dict[int, PoolPlacement] = field(default_factory=dict)
     """Per pool: the custom Ray resource and GPUs of one engine (a pool not listed: `gpus_per_worker`)."""
     placement_grace_s: float = 10.0
@@ -162,6 +165,7 @@ class ClusterController:
             router_address=self.router_address,
             torch_threads=s.torch_threads,
             log_level=s.log_level,
+            encoder=s.encoder,
         )
 
     async def _placed(self, worker_id: str, pool: int, placement: PoolPlacement, handle, deadline: float) -> None:

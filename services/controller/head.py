@@ -23,6 +23,7 @@ import logging
 import os
 import signal
 
+from services.common.gc_tuning import freeze_startup_heap
 from services.common.grpc_util import bind, enable_reflection, new_server
 from services.common.workers import POOL_NAMES
 from services.controller.serve_config import HeadConfig
@@ -63,6 +64,7 @@ class Head:
         if self.api_workers is not None:
             await self.api_workers.wait_ready()
             await self.api_workers.wait_synced(lambda: list(self.router.registry.workers))
+        freeze_startup_heap()
         print(
             f"deepinfer: ready — OpenAI API at {self.http_url}/v1 , gRPC at {self.grpc_address} "
             f"(model {self.config.model_name})",
@@ -75,6 +77,7 @@ class Head:
         if self.api_workers is not None:
             self.api_workers.spawn()
             await self.api_workers.wait_ready()
+        freeze_startup_heap()
 
     async def _serve_front(self) -> None:
         await self._start_router()

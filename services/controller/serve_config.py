@@ -11,10 +11,12 @@ import os
 from dataclasses import dataclass
 from typing import Optional
 
+from deepinfer_core.multimodal.encoder_config import EncoderConfig
 from services.common.limits import RequestLimits
-from services.common.workers import POOL_COLOCATED, POOL_DECODE, POOL_PREFILL
+from services.common.workers import POOL_COLOCATED, POOL_DECODE, POOL_ENCODER, POOL_PREFILL
 from services.controller.controller import PoolSpec
 from services.gateway.core import GatewayConfig
+from services.gateway.media import MediaLimits, VisionInfo
 from services.router.config import RouterConfig
 from services.workers.spec import EngineSettings
 
@@ -28,6 +30,9 @@ class HeadConfig:
     grpc_port: int = 50051
     prefill: int = 1
     decode: int = 1
+    encoder: int = 0
+    """Vision encoders (VE): images are encoded there, embeddings read by the PEs over NIXL; 0 = the
+    engines encode in process."""
     colocated: bool = False
     """One NORMAL engine per replica (`decode` replicas) instead of P/D pools."""
     engine_args: EngineSettings = EngineSettings()
@@ -59,6 +64,10 @@ class HeadConfig:
     cluster_host: str = "127.0.0.1"
     """Where the router and the workers serve each other; "auto" = this node's IP."""
     log_level: str = "WARNING"
+    encoder_config: EncoderConfig = EncoderConfig()
+    """Each vision encoder's batching, pool, leases and cache."""
+    media: MediaLimits = MediaLimits()
+    """What a request's images may be (count, size, where file:// URLs may point, http fetching)."""
 
     @property
     def model_path(self) -> str:
@@ -78,14 +87,16 @@ class HeadConfig:
     @property
     def pools(self) -> tuple[int, ...]:
         """The pools this cluster serves from (each needs a ready worker before it is ready)."""
-        return (POOL_COLOCATED,) if self.colocated else (POOL_PREFILL, POOL_DECODE)
+        pools = (POOL_COLOCATED,) if self.colocated else (POOL_PREFILL, POOL_DECODE)
+        return pools + ((POOL_ENCODER,) if self.encoder else ())
 
     @property
     def targets(self) -> dict[int, int]:
         """Replicas per pool at start."""
-        return (
+        targets = (
             {POOL_COLOCATED: self.decode} if self.colocated else {POOL_PREFILL: self.prefill, POOL_DECODE: self.decode}
         )
+        return {**targets, POOL_ENCODER: self.encoder} if self.encoder else targets
 
     def max_model_len(self) -> int:
         """The engines' context length: the one given, else the model's."""
@@ -108,6 +119,8 @@ class HeadConfig:
             max_concurrent_sequences=self.max_concurrent_sequences,
             max_concurrent_prompt_tokens=self.max_concurrent_prompt_tokens,
             max_request_bytes=self.max_request_bytes,
+            media=self.media,
+            vision=VisionInfo.from_model(self.model_path),
         )
 
     def pool_spec(self) -> PoolSpec:
@@ -118,4 +131,5 @@ class HeadConfig:
             self.torch_threads,
             self.gpus_per_worker,
             self.log_level,
+            self.encoder_config,
         )

@@ -11,7 +11,7 @@ from typing import Optional
 from proto import gateway_pb2_grpc
 from services.common.errors import ErrorCode, ServiceError
 from services.common.grpc_util import handles_errors
-from services.common.workers import POOL_COLOCATED, POOL_DECODE, POOL_PREFILL
+from services.common.workers import POOL_COLOCATED, POOL_DECODE, POOL_ENCODER, POOL_PREFILL
 from services.controller.controller import ClusterController
 from services.router.core import RouterCore
 from services.router.service import cluster_status
@@ -35,6 +35,7 @@ class ClusterService(gateway_pb2_grpc.ClusterServicer):
             POOL_PREFILL: request.prefill if request.HasField("prefill") else None,
             POOL_DECODE: request.decode if request.HasField("decode") else None,
             POOL_COLOCATED: request.colocated if request.HasField("colocated") else None,
+            POOL_ENCODER: request.encoder if request.HasField("encoder") else None,
         }
         await self.controller.scale(targets, request.timeout_s or 600.0)
         return cluster_status(self.router, self.controller.targets)

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from services.common.errors import ServiceError
+from services.common.gc_tuning import freeze_startup_heap
 from services.gateway.core import GatewayConfig
 from services.router.config import RouterConfig
 
@@ -96,6 +97,7 @@ class ApiProcess:
             spec = self.spec
             self.front.bind(spec.host, spec.http_port, spec.grpc_port, reuse_port=True)
             await self.front.start()
+            freeze_startup_heap()
             if not self._send("ready", os.getpid()):
                 return 1
             return await self._serve(stopped)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -19,7 +19,7 @@ from services.common.deltas import SampleDelta
 from services.common.errors import ErrorCode, ServiceError
 from services.common.limits import RequestLimits
 from services.common.stream_merge import FAILED, merge
-from services.gateway import validation
+from services.gateway import media, validation
 from services.gateway.admission import Admission, Work
 from services.metrics import definitions as m
 
@@ -43,6 +43,10 @@ class GatewayConfig:
     """Larger HTTP bodies get 413, larger gRPC messages RESOURCE_EXHAUSTED."""
     tokenizer_threads: int = 2
     """Threads that tokenize and render chat templates, off the event loop."""
+    media: media.MediaLimits = media.MediaLimits()
+    """What a request's images may be."""
+    vision: Optional[media.VisionInfo] = None
+    """The model's vision tower; None: image parts are refused."""
 
     @property
     def work_limits(self) -> Work:
@@ -160,9 +164,16 @@ class GatewayCore:
         max_len = self.config.max_model_len
         return await self.offload(validation.encode_prompts, prompt, self.tokenizer, self.vocab_size, max_len)
 
-    async def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+    async def encode_chat(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+    ) -> tuple[list[int], list[bytes]]:
+        """(prompt ids with image placeholders expanded, the checked images in order)."""
         max_len = self.config.max_model_len
-        return await self.offload(validation.encode_chat, messages, self.tokenizer, max_len, add_generation_prompt)
+        prompt = await self.offload(validation.encode_chat, messages, self.tokenizer, max_len, add_generation_prompt)
+        images = await media.chat_images(messages, self.config.media, self.config.vision, self.config.model_name)
+        if images:
+            prompt = media.expand(prompt, self.config.vision, len(images))
+        return prompt, images
 
     async def ready(self) -> tuple[bool, str]:
         try:
@@ -179,16 +190,23 @@ class GatewayCore:
         return params
 
     async def generate(
-        self, prompts: list[list[int]], params: SamplingParams, request_id: Optional[str] = None
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        request_id: Optional[str] = None,
+        images: Sequence[bytes] = (),
     ) -> AsyncIterator[tuple[Choice, SampleDelta]]:
         """Deltas of every (prompt, sample), each with its `Choice` (updated before it is yielded).
-        Several prompts are merged (each choice's waiting deltas as one); one prompt is read as it is."""
+        Several prompts are merged (each choice's waiting deltas as one); one prompt is read as it is.
+        `images`: of a single (chat) prompt."""
         request_id = request_id or uuid.uuid4().hex
         arrival = time.monotonic()
         n = params.n
         choices = [Choice(p * n + i, len(ids), i) for p, ids in enumerate(prompts) for i in range(n)]
         timeout_s = self.config.limits.request_timeout_s
-        streams = [self.router.generate(f"{request_id}-{p}", ids, params, timeout_s) for p, ids in enumerate(prompts)]
+        streams = [
+            self.router.generate(f"{request_id}-{p}", ids, params, timeout_s, images) for p, ids in enumerate(prompts)
+        ]
         many = len(streams) > 1
         stream = merge(streams) if many else streams[0]
         first_at = last_at = None

@@ -35,12 +35,12 @@ async def completion_events(
 
 
 async def chat_events(
-    core: GatewayCore, prompts: list[list[int]], params, fmt: Formatter, include_usage: bool
+    core: GatewayCore, prompts: list[list[int]], params, fmt: Formatter, include_usage: bool, images=()
 ) -> AsyncIterator[bytes]:
     chunks = StreamChunks(fmt, chat=True)
     choices: dict[int, Choice] = {}
     try:
-        async for choice, delta in core.generate(prompts, params, fmt.id):
+        async for choice, delta in core.generate(prompts, params, fmt.id, images):
             if choice.index not in choices:
                 choices[choice.index] = choice
                 yield chunks.chat_role(choice.index)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import uuid
 
 from proto import gateway_pb2, gateway_pb2_grpc
@@ -20,6 +21,21 @@ def authorization(context) -> str:
     return ""
 
 
+def _chat_message(m) -> dict:
+    """A proto chat message as the OpenAI API's: its parts (images as data URLs, which the
+    gateway's media checks decode like any other) or its plain content."""
+    if not m.parts:
+        return {"role": m.role, "content": m.content}
+    parts = []
+    for p in m.parts:
+        if p.WhichOneof("part") == "image":
+            url = "data:image;base64," + base64.b64encode(p.image).decode("ascii")
+            parts.append({"type": "image_url", "image_url": {"url": url}})
+        else:
+            parts.append({"type": "text", "text": p.text})
+    return {"role": m.role, "content": parts}
+
+
 class GatewayService(gateway_pb2_grpc.GatewayServicer):
     def __init__(self, core: GatewayCore):
         self.core = core
@@ -29,7 +45,7 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
         core = self.core
         core.check_api_key(authorization(context))
         validation.check_model(request.model, core.config.model_name)
-        prompt, param = await self._prompt(request)
+        prompt, param, images = await self._prompt(request)
         fields = {
             f.name: v if isinstance(v, (int, float, bool, str)) else list(v) for f, v in request.params.ListFields()
         }
@@ -41,7 +57,7 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
         try:
             choices = {}
             response = gateway_pb2.GenerateResponse
-            async for choice, delta in core.generate([prompt], params, request_id):
+            async for choice, delta in core.generate([prompt], params, request_id, images):
                 choices[choice.index] = choice
                 msg = response(request_id=request_id)
                 fill_delta(msg.delta, delta)  # written in place: no submessage built and copied
@@ -58,15 +74,15 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
         finally:
             core.release(work)
 
-    async def _prompt(self, request) -> tuple[list[int], str]:
+    async def _prompt(self, request) -> tuple[list[int], str, list[bytes]]:
         which = request.WhichOneof("prompt")
         if which == "text":
-            return (await self.core.encode_prompts(request.text))[0], "text"
+            return (await self.core.encode_prompts(request.text))[0], "text", []
         if which == "token_ids":
-            return (await self.core.encode_prompts(list(request.token_ids.ids)))[0], "token_ids"
+            return (await self.core.encode_prompts(list(request.token_ids.ids)))[0], "token_ids", []
         if which == "chat":
-            messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
-            return await self.core.encode_chat(messages), "chat"
+            prompt, images = await self.core.encode_chat([_chat_message(m) for m in request.chat.messages])
+            return prompt, "chat", images
         raise ServiceError(ErrorCode.INVALID_ARGUMENT, "set one of text, token_ids or chat", "prompt")
 
     async def Health(self, request, context):

@@ -140,13 +140,13 @@ async def _chat_completions(request: Request, core: GatewayCore):
     if body.top_logprobs is not None and not body.logprobs:
         raise validation.bad("top_logprobs needs logprobs=true", "top_logprobs")
     messages = [m.model_dump(exclude_none=True) for m in body.messages]
-    prompt = await core.encode_chat(messages, body.add_generation_prompt)
+    prompt, images = await core.encode_chat(messages, body.add_generation_prompt)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     top = (body.top_logprobs or 0) if body.logprobs else None
     params = core.prepare([prompt], _sampling_fields(body, logprobs=top, max_tokens=max_tokens), "messages")
     fmt = Formatter(core.tokenizer, f"chatcmpl-{uuid.uuid4().hex}", core.config.model_name, top)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    return await _respond(request, core, [prompt], params, fmt, body.stream, include_usage, chat=True)
+    return await _respond(request, core, [prompt], params, fmt, body.stream, include_usage, chat=True, images=images)
 
 
 async def _parse(request: Request, core: GatewayCore, model: type[BaseModel], unsupported: dict[str, Any]) -> Any:
@@ -184,23 +184,26 @@ def _sampling_fields(body, logprobs, max_tokens=None) -> dict[str, Any]:
     return fields
 
 
-async def _respond(request, core, prompts, params, fmt, stream, include_usage, chat):
+async def _respond(request, core, prompts, params, fmt, stream, include_usage, chat, images=()):
     # counted in now, while a status can still say 429; a stream lets go when its response is over
     work = core.admit(prompts, params)
     if stream:
-        events = (chat_events if chat else completion_events)(core, prompts, params, fmt, include_usage)
+        if chat:
+            events = chat_events(core, prompts, params, fmt, include_usage, images)
+        else:
+            events = completion_events(core, prompts, params, fmt, include_usage)
         return _AdmittedStream(core, work, events)
     try:
-        choices = await _until_disconnect(request, _collect(core, prompts, params, fmt.id))
+        choices = await _until_disconnect(request, _collect(core, prompts, params, fmt.id, images))
     finally:
         core.release(work)
     body = (fmt.chat if chat else fmt.completion)(choices, usage(choices))
     return JSONResponse(body)
 
 
-async def _collect(core, prompts, params, request_id) -> list[Choice]:
+async def _collect(core, prompts, params, request_id, images=()) -> list[Choice]:
     choices: dict[int, Choice] = {}
-    async for choice, _ in core.generate(prompts, params, request_id):
+    async for choice, _ in core.generate(prompts, params, request_id, images):
         choices[choice.index] = choice
     return list(choices.values())
 

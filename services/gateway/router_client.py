@@ -18,8 +18,10 @@ from services.common.params import params_to_proto
 
 class RouterClient(Protocol):
     def generate(
-        self, request_id: str, prompt: list[int], params: SamplingParams, timeout_s: float
-    ) -> AsyncIterator[SampleDelta]: ...
+        self, request_id: str, prompt: list[int], params: SamplingParams, timeout_s: float, images=()
+    ) -> AsyncIterator[SampleDelta]:
+        """`images`: encoded files, one per (expanded) image placeholder run of `prompt`."""
+        ...
 
     async def status(self) -> common_pb2.ClusterStatus: ...
 
@@ -29,9 +31,13 @@ class GrpcRouterClient:
         self._channel = channel(address)
         self._stub = router_pb2_grpc.RouterStub(self._channel)
 
-    async def generate(self, request_id, prompt, params, timeout_s) -> AsyncIterator[SampleDelta]:
+    async def generate(self, request_id, prompt, params, timeout_s, images=()) -> AsyncIterator[SampleDelta]:
         req = router_pb2.RouteRequest(
-            request_id=request_id, prompt_token_ids=prompt, params=params_to_proto(params), timeout_s=timeout_s
+            request_id=request_id,
+            prompt_token_ids=prompt,
+            params=params_to_proto(params),
+            timeout_s=timeout_s,
+            images=list(images),
         )
         call = self._stub.Generate(req, timeout=timeout_s + 5 if timeout_s else None)
         try:
@@ -67,8 +73,8 @@ class LocalRouterClient:
     def __init__(self, core):
         self.core = core
 
-    def generate(self, request_id, prompt, params, timeout_s) -> AsyncIterator[SampleDelta]:
-        return self.core.generate(request_id, prompt, params, timeout_s)
+    def generate(self, request_id, prompt, params, timeout_s, images=()) -> AsyncIterator[SampleDelta]:
+        return self.core.generate(request_id, prompt, params, timeout_s, images)
 
     async def status(self) -> common_pb2.ClusterStatus:
         from services.router.service import cluster_status

@@ -11,6 +11,7 @@ from typing import Any, Optional
 
 from deepinfer_core.sampling_params import SamplingParams
 from services.common.errors import ErrorCode, ServiceError
+from services.gateway.media import IMAGE_PARTS
 
 MAX_LOGPROBS = 20
 INT32_MAX = 2**31 - 1
@@ -173,8 +174,8 @@ def refuse_surely_long(text: str, tokenizer, max_model_len: int, param: str) -> 
 
 
 def check_messages(messages: list[dict[str, Any]]) -> None:
-    """Roles from CHAT_ROLES, content text only: anything else is named and refused (an image part
-    would reach no encoder, a tool turn no tool parser, an unknown part type no template)."""
+    """Roles from CHAT_ROLES, content text and image parts: anything else is named and refused (a
+    tool turn would reach no tool parser, an unknown part type no template)."""
     if not messages:
         raise bad("messages must be a non-empty list of {'role', 'content'} messages", "messages")
     for i, message in enumerate(messages):
@@ -195,23 +196,21 @@ def check_messages(messages: list[dict[str, Any]]) -> None:
 
 def _check_part(part: Any, where: str) -> None:
     kind = part.get("type") if isinstance(part, dict) else None
-    if kind in _IMAGE_PARTS:
-        raise bad(f"{where} is an {kind!r} part: this server takes text only, images are not served", where)
+    if kind in IMAGE_PARTS:  # its image is checked apart (`media.chat_images`), on a thread pool
+        return
     if kind != "text" or not isinstance(part.get("text"), str):
         raise bad(f"{where} must be a {{'type': 'text', 'text': ...}} part, got type {kind!r}", where)
     check_text(part["text"], where)
 
 
-_IMAGE_PARTS = ("image", "image_url")
-"""Content part types the chat template renders as an image placeholder."""
-
-
 def encode_chat(
     messages: list[dict[str, Any]], tokenizer, max_model_len: int, add_generation_prompt: bool = True
 ) -> list[int]:
+    """Prompt ids of a conversation; image parts become the template's placeholders (their
+    images: `media.chat_images`)."""
     check_messages(messages)
     texts = [m["content"] if isinstance(m.get("content"), str) else "" for m in messages]
-    texts += [p["text"] for m in messages if isinstance(m.get("content"), list) for p in m["content"]]
+    texts += [p["text"] for m in messages if isinstance(m.get("content"), list) for p in m["content"] if "text" in p]
     # one line each, as templates write them: no word of one message merges with the next's
     refuse_surely_long("\n".join(texts), tokenizer, max_model_len, "messages")
     try:

@@ -101,6 +101,12 @@ KV_HANDOFF_EXPOSED_SECONDS = Histogram(
     ["worker"],
     buckets=_LATENCY_BUCKETS,
 )
+EMBEDDING_TRANSFER_SECONDS = Histogram(
+    "deepinfer:embedding_transfer_seconds",
+    "A prefill engine's NIXL READ of one request's image embeddings from a vision encoder.",
+    ["worker"],
+    buckets=_LATENCY_BUCKETS,
+)
 KV_TRANSFER_BYTES = Counter("deepinfer:kv_transfer_bytes_total", "KV bytes written prefill to decode.", ["worker"])
 
 API_PROCESS_REQUESTS = Counter(

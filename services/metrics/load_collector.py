@@ -26,6 +26,8 @@ _GAUGES = [
     ("total_kv_tokens", "Tokens whose KV the engine holds for live requests.", lambda x: x.total_kv_tokens),
     ("queued_prompt_tokens", "Prompt tokens admitted and not yet prefilled.", lambda x: x.queued_prompt_tokens),
     ("kv_reservations", "Decode reservations waiting for their KV.", lambda x: x.reservations),
+    ("encoder_queue_images", "Images waiting for a vision encoder's batch.", lambda x: x.encoder_queue_images),
+    ("embedding_leases", "Embedding pool slots a vision encoder has leased.", lambda x: x.embedding_leases),
     (
         "prefix_cache_hit_rate",
         "Prompt tokens found in the prefix cache / tokens looked up.",
@@ -37,6 +39,8 @@ _COUNTERS = [
     ("prefix_cache_hits", "Prompt tokens found in the prefix cache.", lambda x: x.prefix_hits),
     ("engine_kv_transfer_bytes", "KV bytes this engine wrote to decode engines.", lambda x: x.kv_transfer_bytes),
     ("handoffs", "Prefill-to-decode hand-offs (sent by a PE, received by a CE).", lambda x: x.handoffs),
+    ("encoder_images", "Images a vision encoder encoded.", lambda x: x.encoder_images),
+    ("encoder_cache_hits", "Images a vision encoder served from its cache.", lambda x: x.encoder_cache_hits),
     ("spec_decode_draft_tokens", "MTP draft tokens the target model verified.", lambda x: x.spec_draft_tokens),
     ("spec_decode_accepted_tokens", "MTP draft tokens the target model accepted.", lambda x: x.spec_accepted_tokens),
 ]

@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
-from typing import Optional, Protocol
+from collections.abc import AsyncIterator, Sequence
+from typing import Optional, Protocol, Union
 
 import grpc
 
+from deepinfer_core.multimodal.embedding_handle import EmbeddingHandle
 from deepinfer_core.sampling_params import SamplingParams
 from deepinfer_core.transfer.messages import KVRegion, KVTarget
 from proto import common_pb2, worker_pb2, worker_pb2_grpc
@@ -26,6 +27,8 @@ from services.common.errors import ServiceError
 from services.common.grpc_util import channel, error_from_rpc
 from services.common.messages import (
     delta_from_proto,
+    handle_from_proto,
+    handle_to_proto,
     load_from_proto,
     prefill_result_from_proto,
     region_to_proto,
@@ -50,18 +53,34 @@ class WorkerClient(Protocol):
     ) -> KVTarget: ...
 
     async def prefill(
-        self, request_id: str, prompt: list[int], params: SamplingParams, kv_target: KVTarget, timeout: float
-    ) -> PrefillResult: ...
+        self,
+        request_id: str,
+        prompt: list[int],
+        params: SamplingParams,
+        kv_target: KVTarget,
+        timeout: float,
+        images: Sequence[Union[bytes, EmbeddingHandle]] = (),
+    ) -> PrefillResult:
+        """`images`: one per image of the prompt: its encoded file, or where a vision encoder parked its embeddings."""
+        ...
 
     def stream(self, request_id: str, timeout: float) -> AsyncIterator[SampleDelta]:
         """A CE's deltas after the first token (which `prefill` returned)."""
         ...
 
     def generate(
-        self, request_id: str, prompt: list[int], params: SamplingParams, timeout: float
+        self, request_id: str, prompt: list[int], params: SamplingParams, timeout: float, images: Sequence[bytes] = ()
     ) -> AsyncIterator[SampleDelta]: ...
 
     async def abort(self, request_id: str, prefill: bool) -> bool: ...
+
+    async def encode(self, request_id: str, images: Sequence[bytes], timeout: float) -> list[EmbeddingHandle]:
+        """A vision encoder: a lease on each image's embeddings, in order."""
+        ...
+
+    async def release(self, lease_ids: list[int]) -> int:
+        """A vision encoder: free leases no one will read."""
+        ...
 
     async def connect_peer(self, agent_name: str, metadata: bytes, region: Optional[KVRegion] = None) -> None: ...
 
@@ -84,6 +103,7 @@ class GrpcWorkerClient:
         self._prefill = worker_pb2_grpc.PrefillStub(self._channel)
         self._decode = worker_pb2_grpc.DecodeStub(self._channel)
         self._worker = worker_pb2_grpc.WorkerStub(self._channel)
+        self._encoder = worker_pb2_grpc.EncoderStub(self._channel)
         self._inboxes: dict[str, RequestInbox] = {}
         """request id -> inbox of every request of this worker that is read through the subscription."""
         self._subscription: Optional[DeltaSubscription] = None
@@ -111,12 +131,14 @@ class GrpcWorkerClient:
             raise
         return target_from_proto(reply.kv_target)
 
-    async def prefill(self, request_id, prompt, params, kv_target, timeout) -> PrefillResult:
+    async def prefill(self, request_id, prompt, params, kv_target, timeout, images=()) -> PrefillResult:
         req = worker_pb2.PrefillRequest(
             request_id=request_id,
             prompt_token_ids=prompt,
             params=params_to_proto(params),
             kv_target=target_to_proto(kv_target),
+            images=[i for i in images if isinstance(i, bytes)],
+            image_embeds=[handle_to_proto(i) for i in images if isinstance(i, EmbeddingHandle)],
         )
         try:
             reply = await self._prefill.Prefill(req, timeout=timeout)
@@ -130,10 +152,12 @@ class GrpcWorkerClient:
             return self._read(self._decode.Stream(worker_pb2.StreamRequest(request_id=request_id), timeout=timeout))
         return self._relay(request_id, inbox, asyncio.get_running_loop().time() + timeout)
 
-    async def generate(self, request_id, prompt, params, timeout) -> AsyncIterator[SampleDelta]:
+    async def generate(self, request_id, prompt, params, timeout, images=()) -> AsyncIterator[SampleDelta]:
         deadline = asyncio.get_running_loop().time() + timeout
         inbox = await self._open_inbox(request_id, timeout)
-        req = worker_pb2.GenerateWork(request_id=request_id, prompt_token_ids=prompt, params=params_to_proto(params))
+        req = worker_pb2.GenerateWork(
+            request_id=request_id, prompt_token_ids=prompt, params=params_to_proto(params), images=list(images)
+        )
         if inbox is None:
             async for msg in self._read(self._decode.Generate(req, timeout=timeout)):
                 yield msg
@@ -221,6 +245,20 @@ class GrpcWorkerClient:
         except grpc.aio.AioRpcError:
             return False  # a dead worker holds nothing
 
+    async def encode(self, request_id, images, timeout) -> list[EmbeddingHandle]:
+        req = worker_pb2.EncodeRequest(request_id=request_id, images=list(images))
+        try:
+            reply = await self._encoder.Encode(req, timeout=timeout)
+        except grpc.aio.AioRpcError as e:
+            raise error_from_rpc(e, self.name) from None
+        return [handle_from_proto(h) for h in reply.handles]
+
+    async def release(self, lease_ids) -> int:
+        try:
+            return (await self._encoder.Release(worker_pb2.ReleaseRequest(lease_ids=lease_ids), timeout=5)).released
+        except grpc.aio.AioRpcError:
+            return 0  # a dead encoder holds nothing
+
     async def connect_peer(self, agent_name, metadata, region=None) -> None:
         req = worker_pb2.ConnectPeerRequest(
             agent_name=agent_name, agent_metadata=metadata, region=region_to_proto(region)
@@ -258,17 +296,23 @@ class LocalWorkerClient:
     async def reserve(self, request_id, prompt, params, lease_s, timeout) -> KVTarget:
         return await self.core.reserve(request_id, prompt, params, lease_s)
 
-    async def prefill(self, request_id, prompt, params, kv_target, timeout) -> PrefillResult:
-        return await self.core.prefill(request_id, prompt, params, kv_target)
+    async def prefill(self, request_id, prompt, params, kv_target, timeout, images=()) -> PrefillResult:
+        return await self.core.prefill(request_id, prompt, params, kv_target, images)
 
     def stream(self, request_id, timeout) -> AsyncIterator[SampleDelta]:
         return self.core.stream(request_id)
 
-    def generate(self, request_id, prompt, params, timeout) -> AsyncIterator[SampleDelta]:
-        return self.core.generate(request_id, prompt, params)
+    def generate(self, request_id, prompt, params, timeout, images=()) -> AsyncIterator[SampleDelta]:
+        return self.core.generate(request_id, prompt, params, images)
 
     async def abort(self, request_id, prefill: bool) -> bool:
         return await self.core.abort(request_id)
+
+    async def encode(self, request_id, images, timeout) -> list[EmbeddingHandle]:
+        return await self.core.encode(request_id, list(images))
+
+    async def release(self, lease_ids) -> int:
+        return self.core.release(list(lease_ids))
 
     async def connect_peer(self, agent_name, metadata, region=None) -> None:
         await self.core.connect_peer(agent_name, metadata, region)

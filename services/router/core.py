@@ -15,7 +15,7 @@ from deepinfer_core.sampling_params import SamplingParams
 from services.common.deltas import SampleAssembler, SampleDelta
 from services.common.errors import ErrorCode, ServiceError
 from services.common.stream_merge import merge
-from services.common.workers import POOL_COLOCATED, POOL_DECODE, POOL_NAMES, POOL_PREFILL
+from services.common.workers import POOL_COLOCATED, POOL_DECODE, POOL_ENCODER, POOL_NAMES, POOL_PREFILL
 from services.router.config import RouterConfig
 from services.router.decode_policy import DecodeCandidate, DecodePolicy
 from services.router.fanout import split_samples
@@ -52,17 +52,18 @@ class RouterCore:
 
     # ---- requests --------------------------------------------------------------------------
     async def generate(
-        self, request_id: str, prompt: list[int], params: SamplingParams, timeout_s: float = 0.0
+        self, request_id: str, prompt: list[int], params: SamplingParams, timeout_s: float = 0.0, images=()
     ) -> AsyncIterator[SampleDelta]:
         """Deltas of every sample as the client may see them (stop strings held back until
-        settled). Raises ServiceError; leaving early aborts the request everywhere."""
+        settled). Raises ServiceError; leaving early aborts the request everywhere. `images`:
+        encoded files, one per image placeholder run of `prompt` (expanded)."""
         self._validate(prompt, params)
         limit = self.config.limits.request_timeout_s
         deadline = time.monotonic() + min(timeout_s or limit, limit)
         holdback = max((len(s) for s in params.stop), default=1) - 1
         samples = split_samples(params)
         assemblers = [SampleAssembler(i, holdback) for i in range(len(samples))]
-        flows = [SampleFlow(self, request_id, i, prompt, p, deadline) for i, p in enumerate(samples)]
+        flows = [SampleFlow(self, request_id, i, prompt, p, deadline, images) for i, p in enumerate(samples)]
         many = len(flows) > 1  # one sample (n = 1) is read directly, without the merge's tasks and queue
         stream = merge([f.deltas() for f in flows]) if many else flows[0].deltas()
         try:
@@ -105,9 +106,19 @@ class RouterCore:
 
     def abort_later(self, worker: WorkerHandle, sub_id: str, prefill: bool) -> None:
         """Abort a sub-request without waiting (the caller may be cancelled itself)."""
-        task = asyncio.ensure_future(worker.client.abort(sub_id, prefill))
+        self.run_later(worker.client.abort(sub_id, prefill))
+
+    def run_later(self, coro) -> None:
+        """Run a clean-up call without waiting for it (kept until done; `stop` waits for it)."""
+        task = asyncio.ensure_future(coro)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
+
+    def encodes_images(self) -> bool:
+        """Whether images go to a vision encoder first (an encoder pool is configured or present)."""
+        if self.config.pools:
+            return POOL_ENCODER in self.config.pools
+        return bool(self.registry.pool(POOL_ENCODER, ready_only=False))
 
     # ---- policies ----------------------------------------------------------------------------
     def pick_prefill(self, prompt_len: int, exclude: set[str], prefix: Sequence[int] = ()) -> Optional[WorkerHandle]:

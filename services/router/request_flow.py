@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Optional
 
+from deepinfer_core.multimodal.embedding_handle import EMBEDDINGS_UNAVAILABLE
 from deepinfer_core.sampling_params import SamplingParams
 from deepinfer_core.transfer.messages import KVTarget
 from services.common.deltas import SampleDelta
@@ -24,6 +25,7 @@ from services.common.errors import ErrorCode, ServiceError
 from services.common.prefill_result import PrefillResult
 from services.common.workers import POOL_COLOCATED, POOL_DECODE, POOL_NAMES, POOL_PREFILL
 from services.metrics import definitions as m
+from services.router.encode_step import EncodeStep
 from services.router.prefix_index import chunk_hashes
 from services.router.registry import WorkerHandle
 
@@ -41,8 +43,19 @@ _BLAMES_THE_CE = (ErrorCode.INTERNAL, ErrorCode.FAILED_PRECONDITION)
 
 
 class SampleFlow:
-    def __init__(self, router, request_id: str, index: int, prompt: list[int], params: SamplingParams, deadline: float):
+    def __init__(
+        self,
+        router,
+        request_id: str,
+        index: int,
+        prompt: list[int],
+        params: SamplingParams,
+        deadline: float,
+        images: Sequence[bytes] = (),
+    ):
         self.router = router
+        self.images = list(images)
+        """Encoded files, one per image of the prompt (the engine encodes them, or a vision encoder does first)."""
         self.config = router.config
         self.request_id = request_id
         self.index = index
@@ -53,8 +66,9 @@ class SampleFlow:
         max_out = params.max_tokens or max(1, router.max_model_len - len(prompt))
         self.kv_tokens = len(prompt) + max_out
         """What the sample may hold on a decode engine (prompt + every output token)."""
-        self.prefix = chunk_hashes(prompt)
-        """The prompt's chunk hashes: which workers hold a prefix of it (prefix-aware routing)."""
+        self.prefix = [] if self.images else chunk_hashes(prompt)
+        """The prompt's chunk hashes: which workers hold a prefix of it (prefix-aware routing). None for a
+        prompt with images: its KV depends on the images, which equal placeholder tokens do not show."""
 
     def remaining(self) -> float:
         left = self.deadline - time.monotonic()
@@ -77,7 +91,7 @@ class SampleFlow:
         m.QUEUE_TIME.labels(self.router.model).observe(time.monotonic() - self.arrival)
         finished = False
         try:
-            async for delta in worker.client.generate(sub_id, self.prompt, self.params, self.remaining()):
+            async for delta in worker.client.generate(sub_id, self.prompt, self.params, self.remaining(), self.images):
                 finished = delta.finished
                 yield delta
         finally:
@@ -87,7 +101,8 @@ class SampleFlow:
 
     # ---- disaggregated ---------------------------------------------------------------------
     async def _disaggregated(self) -> AsyncIterator[SampleDelta]:
-        local = await self._local_prefill() if self.config.pd.local_prefill_tokens else None
+        # a CE encodes no images: a prompt with images is always prefilled on a PE
+        local = await self._local_prefill() if self.config.pd.local_prefill_tokens and not self.images else None
         if local is not None:
             async for delta in local:
                 yield delta
@@ -95,21 +110,28 @@ class SampleFlow:
         tried_pe: set[str] = set()
         suspect_ce: set[str] = set()
         last_error: Optional[ServiceError] = None
+        encoder = EncodeStep(self) if self.images and self.router.encodes_images() else None
+        lost_embeds = 0
         for attempt in range(self.config.max_prefill_attempts):
             sub_id = f"{self.request_id}/{self.index}/{attempt}"
+            images = await encoder.encode(sub_id) if encoder is not None else self.images
             ce, kv_target = await self._reserve(sub_id, suspect_ce)
             try:
-                first = await self._prefill(sub_id, kv_target, tried_pe)
+                first = await self._prefill(sub_id, kv_target, tried_pe, images)
             except _RetryPrefill as retry:
                 last_error = retry.error
-                (suspect_ce if retry.decode_side else tried_pe).add(retry.decode_side or retry.worker_id)
-                self._release(ce, self.kv_tokens)
-                self.router.abort_later(ce, sub_id, prefill=False)
+                lost = EMBEDDINGS_UNAVAILABLE in retry.error.message  # the encoder's lease, not the PE, failed
+                lost_embeds += lost
+                if lost_embeds > 1:  # the read failed after a fresh encode too: say so, never guess
+                    self._failed(ce, sub_id, encoder, images)
+                    raise ServiceError(ErrorCode.UNAVAILABLE, retry.error.message) from None
+                if not lost:
+                    (suspect_ce if retry.decode_side else tried_pe).add(retry.decode_side or retry.worker_id)
+                self._failed(ce, sub_id, encoder, images)
                 m.ROUTER_RETRIES.labels(retry.error.code.name).inc()
                 continue
             except BaseException:
-                self._release(ce, self.kv_tokens)
-                self.router.abort_later(ce, sub_id, prefill=False)
+                self._failed(ce, sub_id, encoder, images)
                 raise
             ce.prefixes.record(self.prefix)  # the CE's prefix cache holds the handed-off prompt too
             async for delta in self._decode(ce, sub_id, first.first):
@@ -120,6 +142,14 @@ class SampleFlow:
             f"prefill failed {self.config.max_prefill_attempts} times; last error: "
             f"{last_error.message if last_error else '?'}",
         )
+
+    def _failed(self, ce: WorkerHandle, sub_id: str, encoder: Optional[EncodeStep], images: list) -> None:
+        """A prefill attempt failed: let go of its CE reservation and of its image leases (a
+        retry encodes again: a lease the PE may have read is never read twice)."""
+        self._release(ce, self.kv_tokens)
+        self.router.abort_later(ce, sub_id, prefill=False)
+        if encoder is not None:
+            encoder.release(images)
 
     async def _local_prefill(self) -> Optional[AsyncIterator[SampleDelta]]:
         """Conditional disaggregation: the deltas of this sample prefilled on a CE itself, when the
@@ -190,19 +220,20 @@ class SampleFlow:
             self._ce_id = ce.worker_id
             return ce, target
 
-    async def _prefill(self, sub_id: str, kv_target: KVTarget, tried: set[str]) -> PrefillResult:
+    async def _prefill(self, sub_id: str, kv_target: KVTarget, tried: set[str], images: list) -> PrefillResult:
         pe = await self._wait_for(
             POOL_PREFILL, lambda ex: self.router.pick_prefill(len(self.prompt), ex, self.prefix), tried, strict=True
         )
         self._hold(pe, len(self.prompt), "prefill")
         timeout = min(self.config.pd.prefill_timeout_s, self.remaining())
         try:
-            result = await pe.client.prefill(sub_id, self.prompt, self.params, kv_target, timeout)
+            result = await pe.client.prefill(sub_id, self.prompt, self.params, kv_target, timeout, images)
         except ServiceError as e:
             self.router.abort_later(pe, sub_id, prefill=True)
             if e.code not in _RETRIED_PREFILL:
                 raise
-            decode_side = self._ce_id if e.code in _BLAMES_THE_CE else ""
+            embeds_lost = EMBEDDINGS_UNAVAILABLE in e.message  # the encoder's side, not the CE's
+            decode_side = self._ce_id if e.code in _BLAMES_THE_CE and not embeds_lost else ""
             raise _RetryPrefill(e, pe.worker_id, decode_side) from None
         except asyncio.CancelledError:
             self.router.abort_later(pe, sub_id, prefill=True)
@@ -213,6 +244,8 @@ class SampleFlow:
         m.KV_TRANSFER_SECONDS.labels(pe.worker_id).observe(result.kv_seconds)
         m.KV_HANDOFF_EXPOSED_SECONDS.labels(pe.worker_id).observe(result.kv_exposed_seconds)
         m.KV_TRANSFER_BYTES.labels(pe.worker_id).inc(result.kv_bytes)
+        if result.embeds_seconds:
+            m.EMBEDDING_TRANSFER_SECONDS.labels(pe.worker_id).observe(result.embeds_seconds)
         pe.prefixes.record(self.prefix)
         return result
 

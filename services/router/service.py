@@ -29,7 +29,9 @@ class RouterService(router_pb2_grpc.RouterServicer):
             params = params_from_proto(request.params)
         except ValueError as e:
             raise ServiceError(ErrorCode.INVALID_ARGUMENT, str(e)) from None
-        stream = self.core.generate(request.request_id, list(request.prompt_token_ids), params, request.timeout_s)
+        stream = self.core.generate(
+            request.request_id, list(request.prompt_token_ids), params, request.timeout_s, list(request.images)
+        )
         try:
             async for delta in stream:
                 yield delta_to_proto(delta)

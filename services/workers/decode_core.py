@@ -94,31 +94,33 @@ class DecodeCore(WorkerCore):
             raise engine_error(e) from None
 
     async def submit(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, subscriber_id: str
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, subscriber_id: str, images=()
     ) -> None:
         """NORMAL: admit a request whose deltas, from its first token, go to `subscriber_id`. CE: the
         same for a prompt it prefills itself (conditional disaggregation; RESOURCE_EXHAUSTED when its
-        uncached part is too long or there is no room: prefill it on a PE instead)."""
+        uncached part is too long or there is no room: prefill it on a PE instead). `images`: encoded files, one per image of the prompt (a NORMAL engine
+        encodes them in process)."""
         self._check_role((EngineType.NORMAL, EngineType.COMPLETION), "Submit")
-        await self._add(request_id, prompt_token_ids, params, self._outbox(subscriber_id))
+        await self._add(request_id, prompt_token_ids, params, self._outbox(subscriber_id), images)
 
     def stream(self, request_id: str) -> AsyncIterator[SampleDelta]:
         """CE: the deltas after the hand-off's first token; a reader that goes away aborts the request."""
         return self._relay(request_id)
 
     async def generate(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, images=()
     ) -> AsyncIterator[SampleDelta]:
         """NORMAL (or a CE's local prefill): every delta of the request, from its first token, through its own stream."""
         self._check_role((EngineType.NORMAL, EngineType.COMPLETION), "Generate")
-        await self._add(request_id, prompt_token_ids, params, None)
+        await self._add(request_id, prompt_token_ids, params, None, images)
         async for delta in self._relay(request_id):
             yield delta
 
-    async def _add(self, request_id, prompt_token_ids, params, outbox: Optional[Outbox]) -> None:
+    async def _add(self, request_id, prompt_token_ids, params, outbox: Optional[Outbox], images=()) -> None:
         self.streams.open(request_id, outbox)
+        mm = {"image": list(images)} if images else None
         try:
-            await self.host.run(_add, request_id, params, prompt_token_ids)
+            await self.host.run(_add, request_id, params, prompt_token_ids, mm)
         except EngineError as e:
             self.streams.close(request_id)
             raise engine_error(e) from None
@@ -165,8 +167,10 @@ def _reserve(engine, request_id, params, prompt_token_ids, lease_s):
     return engine.reserve(request_id, params, prompt_token_ids, lease_s=lease_s)
 
 
-def _add(engine, request_id, params, prompt_token_ids):
+def _add(engine, request_id, params, prompt_token_ids, multi_modal_data=None):
     if engine.engine_type == EngineType.COMPLETION:
         engine.add_local_prefill(request_id, params, prompt_token_ids)
     else:
-        engine.add_request(request_id, params=params, prompt_token_ids=prompt_token_ids)
+        engine.add_request(
+            request_id, params=params, prompt_token_ids=prompt_token_ids, multi_modal_data=multi_modal_data
+        )

@@ -21,6 +21,7 @@ from services.common.errors import ErrorCode, ServiceError, engine_error, refuse
 from services.common.prefill_result import PrefillResult
 from services.common.workers import WorkerLoad
 from services.workers.base_core import WorkerCore
+from services.workers.embedding_fetcher import EmbeddingFetcher
 
 
 @dataclass
@@ -29,6 +30,7 @@ class _Pending:
     admitted_at: float
     queue_seconds: Optional[float] = None
     last: Optional[RequestOutput] = None
+    embeds_seconds: float = 0.0
 
 
 class PrefillCore(WorkerCore):
@@ -38,15 +40,19 @@ class PrefillCore(WorkerCore):
         self.num_handoffs = 0
         self.num_failed_handoffs = 0
         self.kv_bytes = 0
+        self.embeddings: Optional[EmbeddingFetcher] = None
+        """Reads image embeddings from vision encoders (made at the first request with any)."""
 
     async def prefill(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, kv_target: KVTarget
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, kv_target: KVTarget, images=()
     ) -> PrefillResult:
+        """`images`: one per image of the prompt, its encoded file or its `EmbeddingHandle`."""
         self.check_accepting()
-        pending = _Pending(self.loop.create_future(), time.monotonic())
+        mm, embeds_seconds = await self._image_data(images)
+        pending = _Pending(self.loop.create_future(), time.monotonic(), embeds_seconds=embeds_seconds)
         self.pending[request_id] = pending
         try:
-            await self.host.run(_admit, request_id, kv_target, first_token_params(params), prompt_token_ids)
+            await self.host.run(_admit, request_id, kv_target, first_token_params(params), prompt_token_ids, mm)
         except EngineError as e:
             self.pending.pop(request_id, None)
             raise engine_error(e) from None
@@ -56,6 +62,18 @@ class PrefillCore(WorkerCore):
             if self.pending.pop(request_id, None) is not None:
                 await asyncio.shield(self.abort(request_id))
             raise
+
+    async def _image_data(self, images) -> tuple[Optional[dict], float]:
+        """(the engine's `multi_modal_data`, seconds reading embeddings): encoded files as they
+        are, or the embeddings a vision encoder parked, read over NIXL (a failed read raises)."""
+        if not images:
+            return None, 0.0
+        if all(isinstance(i, (bytes, bytearray)) for i in images):
+            return {"image": list(images)}, 0.0
+        if self.embeddings is None:
+            self.embeddings = EmbeddingFetcher(self.worker_id)
+        embeds, seconds = await self.embeddings.read(images)
+        return {"image_embeds": embeds, "image_hashes": [h.content_hash for h in images]}, seconds
 
     async def connect_peer(self, agent_name: str, metadata: bytes, region: Optional[KVRegion] = None) -> None:
         """Connect to a CE and, given its KV `region`, prepare its transfer descriptors now."""
@@ -101,7 +119,9 @@ class PrefillCore(WorkerCore):
             return
         first = OutputDiffer().diff(pending.last.outputs[0], pending.last.num_cached_tokens)
         first.finish_reason = first.stop_reason = None
-        result = PrefillResult(first, r.num_bytes, r.seconds, pending.queue_seconds or 0.0, r.exposed_seconds)
+        result = PrefillResult(
+            first, r.num_bytes, r.seconds, pending.queue_seconds or 0.0, r.exposed_seconds, pending.embeds_seconds
+        )
         self._resolve(r.request_id, result)
 
     def _resolve(self, request_id: str, value) -> None:
@@ -134,5 +154,5 @@ def first_token_params(params: SamplingParams) -> SamplingParams:
     return first
 
 
-def _admit(engine, request_id, kv_target, params, prompt_token_ids):
-    engine.add_prefill(request_id, kv_target, params, prompt_token_ids)
+def _admit(engine, request_id, kv_target, params, prompt_token_ids, multi_modal_data=None):
+    engine.add_prefill(request_id, kv_target, params, prompt_token_ids, multi_modal_data=multi_modal_data)

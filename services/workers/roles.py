@@ -8,21 +8,23 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Optional
 
 from deepinfer_core.roles import EngineType
 from proto import worker_pb2_grpc
-from services.common.workers import POOL_COLOCATED, POOL_DECODE, POOL_NAMES, POOL_PREFILL
-from services.workers.base_core import WorkerCore
+from services.common.workers import POOL_COLOCATED, POOL_DECODE, POOL_ENCODER, POOL_NAMES, POOL_PREFILL
 from services.workers.decode_core import DecodeCore
+from services.workers.encoder_core import EncoderCore
 from services.workers.prefill_core import PrefillCore
-from services.workers.service import DecodeService, PrefillService, WorkerService
+from services.workers.service import DecodeService, EncoderService, PrefillService, WorkerService
 
 
 @dataclass(frozen=True)
 class WorkerRole:
     pool: int
-    engine_type: EngineType
-    core: type[WorkerCore]
+    engine_type: Optional[EngineType]
+    """None: the pool runs no language model (vision encoders)."""
+    core: type
     servicer: type
     """The gRPC servicer over `core`, beside the `Worker` service every worker has."""
     add_servicer: Callable
@@ -32,6 +34,14 @@ class WorkerRole:
 
 
 WORKER_ROLES = {
+    POOL_ENCODER: WorkerRole(
+        POOL_ENCODER,
+        None,
+        EncoderCore,
+        EncoderService,
+        worker_pb2_grpc.add_EncoderServicer_to_server,
+        "deepinfer.v1.Encoder",
+    ),
     POOL_PREFILL: WorkerRole(
         POOL_PREFILL,
         EngineType.PROMPT,
@@ -66,7 +76,7 @@ def worker_role(pool: int) -> WorkerRole:
         raise ValueError(f"no worker role for the {POOL_NAMES.get(pool, pool)} pool") from None
 
 
-def add_services(server, role: WorkerRole, core: WorkerCore) -> list[str]:
+def add_services(server, role: WorkerRole, core) -> list[str]:
     """Register the servicers a worker of `role` answers; returns their full names (for reflection)."""
     worker_pb2_grpc.add_WorkerServicer_to_server(WorkerService(core), server)
     role.add_servicer(role.servicer(core), server)

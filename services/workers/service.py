@@ -8,6 +8,8 @@ from services.common.grpc_util import handles_errors
 from services.common.messages import (
     batch_to_proto,
     delta_to_proto,
+    handle_from_proto,
+    handle_to_proto,
     load_to_proto,
     prefill_result_to_proto,
     region_from_proto,
@@ -17,6 +19,7 @@ from services.common.messages import (
 from services.common.params import params_from_proto
 from services.workers.base_core import WorkerCore
 from services.workers.decode_core import DecodeCore
+from services.workers.encoder_core import EncoderCore
 from services.workers.prefill_core import PrefillCore
 
 _SUBSCRIPTION_IDLE_S = 10.0
@@ -43,8 +46,9 @@ class PrefillService(worker_pb2_grpc.PrefillServicer):
 
     @handles_errors
     async def Prefill(self, request, context):
+        images = list(request.images) + [handle_from_proto(h) for h in request.image_embeds]
         result = await self.core.prefill(
-            request.request_id, list(request.prompt_token_ids), _params(request), _target(request)
+            request.request_id, list(request.prompt_token_ids), _params(request), _target(request), images
         )
         return prefill_result_to_proto(result)
 
@@ -86,7 +90,11 @@ class DecodeService(worker_pb2_grpc.DecodeServicer):
     @handles_errors
     async def Submit(self, request, context):
         await self.core.submit(
-            request.request_id, list(request.prompt_token_ids), _params(request), request.subscriber_id
+            request.request_id,
+            list(request.prompt_token_ids),
+            _params(request),
+            request.subscriber_id,
+            list(request.images),
         )
         return worker_pb2.SubmitReply()
 
@@ -97,12 +105,27 @@ class DecodeService(worker_pb2_grpc.DecodeServicer):
 
     @handles_errors
     async def Generate(self, request, context):
-        async for delta in self.core.generate(request.request_id, list(request.prompt_token_ids), _params(request)):
+        ids, images = list(request.prompt_token_ids), list(request.images)
+        async for delta in self.core.generate(request.request_id, ids, _params(request), images):
             yield delta_to_proto(delta)
 
     @handles_errors
     async def Abort(self, request, context):
         return worker_pb2.AbortReply(found=await self.core.abort(request.request_id))
+
+
+class EncoderService(worker_pb2_grpc.EncoderServicer):
+    def __init__(self, core: EncoderCore):
+        self.core = core
+
+    @handles_errors
+    async def Encode(self, request, context):
+        handles = await self.core.encode(request.request_id, list(request.images))
+        return worker_pb2.EncodeReply(handles=[handle_to_proto(h) for h in handles])
+
+    @handles_errors
+    async def Release(self, request, context):
+        return worker_pb2.ReleaseReply(released=self.core.release(list(request.lease_ids)))
 
 
 class WorkerService(worker_pb2_grpc.WorkerServicer):

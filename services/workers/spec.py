@@ -6,6 +6,7 @@ from dataclasses import dataclass, field, fields
 from typing import Optional
 
 from deepinfer_core.config import KVStoreConfig, PDConfig
+from deepinfer_core.multimodal.encoder_config import EncoderConfig
 from deepinfer_core.roles import EngineType, role_profile
 
 
@@ -63,3 +64,5 @@ class WorkerSpec:
     """Serve /metrics on a free port."""
     log_level: str = "WARNING"
     """Logging of the worker's process, when it is a Ray actor of its own."""
+    encoder: EncoderConfig = EncoderConfig()
+    """A vision encoder's batching, pool, lease and cache (the encoder pool only)."""

@@ -15,6 +15,7 @@ import threading
 from typing import Optional
 
 from deepinfer_core.roles import engine_class
+from services.common.gc_tuning import freeze_startup_heap
 from services.common.grpc_util import bind, channel, enable_reflection, new_event_loop, new_server
 from services.common.workers import POOL_NAMES, WorkerInfo, WorkerLoad
 from services.workers.roles import add_services, worker_role
@@ -24,9 +25,23 @@ logger = logging.getLogger(__name__)
 
 
 def build_engine(spec: WorkerSpec):
-    """The engine of the spec's pool, built from its settings."""
+    """The engine of the spec's pool, built from its settings (a vision encoder's runner for the encoder pool)."""
     engine_type = worker_role(spec.pool).engine_type
+    if engine_type is None:
+        from deepinfer_core.multimodal.encoder_runner import VisionEncoderRunner
+        from deepinfer_core.roles import EngineType
+
+        args = spec.engine_args.to_engine_args(EngineType.PROMPT)  # the model's settings; no engine is built
+        device = args.resolve_device()
+        return VisionEncoderRunner.from_model_config(args.create_model_config(device), device, spec.encoder)
     return engine_class(engine_type).from_engine_args(spec.engine_args.to_engine_args(engine_type))
+
+
+def encoder_info(spec: WorkerSpec, address: str) -> WorkerInfo:
+    """What a vision encoder registers with (no KV, no engine role: its handles name its agent)."""
+    return WorkerInfo(
+        worker_id=spec.worker_id, pool=spec.pool, engine_type=0, address=address, model=spec.model_name, pid=os.getpid()
+    )
 
 
 def worker_info(spec: WorkerSpec, engine, address: str) -> WorkerInfo:
@@ -74,7 +89,7 @@ class WorkerServer:
             torch.set_num_threads(self.spec.torch_threads)
         if self.engine is None:
             self.engine = build_engine(self.spec)
-        if self.engine.engine_type != self.role.engine_type:
+        if self.role.engine_type is not None and self.engine.engine_type != self.role.engine_type:
             raise ValueError(
                 f"a {POOL_NAMES[self.spec.pool]} worker needs a {self.role.engine_type.name} engine, "
                 f"got {self.engine.engine_type.name}"
@@ -90,7 +105,8 @@ class WorkerServer:
 
     async def _serve(self, engine) -> WorkerInfo:
         spec = self.spec
-        info = worker_info(spec, engine, "")  # before the engine thread starts
+        # before the engine thread starts
+        info = worker_info(spec, engine, "") if self.role.engine_type is not None else encoder_info(spec, "")
         self.core = self.role.core(engine, spec.worker_id)
         self.core.start()
         self._server = new_server()
@@ -147,7 +163,9 @@ class WorkerActor:
         self.server = WorkerServer(spec)
 
     def start(self) -> WorkerInfo:
-        return self.server.start()
+        info = self.server.start()
+        freeze_startup_heap()  # the actor's process is this worker's alone: its model and engine stay
+        return info
 
     def drain(self) -> int:
         return self.server.drain()

@@ -61,7 +61,8 @@ def test_defaults_render_valid_manifests_with_a_prefill_and_a_decode_group():
     container = head["template"]["spec"]["containers"][0]
     assert container["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
     script = head_script(raycluster)
-    assert "'--prefill=1' '--decode=1'" in script and "--autoscale" not in script and "--api-key" not in script
+    assert "'--prefill=1' '--decode=1' '--encoder=0'" in script  # no encoder group: the PEs encode images
+    assert "--autoscale" not in script and "--api-key" not in script
     assert "--model" not in script  # the embedded model
     services = [m for m in found if m["kind"] == "Service"]
     assert sorted((s["metadata"]["name"], [p["port"] for p in s["spec"]["ports"]]) for s in services) == [
@@ -118,6 +119,7 @@ def test_an_encoder_pool_gets_its_own_group_resource_and_budget():
     raycluster = one(found, "RayCluster")
     assert [g["groupName"] for g in raycluster["spec"]["workerGroupSpecs"]] == ["encoder", "prefill", "decode"]
     assert worker_group(raycluster, "encoder")["rayStartParams"]["resources"] == '"{\\"deepinfer_encoder\\": 2}"'
+    assert "'--encoder=2'" in head_script(raycluster)  # 2 GPUs per pod, one engine each
     budgets = {
         m["spec"]["selector"]["matchLabels"]["ray.io/group"] for m in found if m["kind"] == "PodDisruptionBudget"
     }

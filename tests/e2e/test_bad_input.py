@@ -255,14 +255,15 @@ def test_unknown_route_is_404_json(client):
     _still_served(client, r)
 
 
-def test_an_image_part_is_refused_at_the_gateway_and_never_retried(cluster, client):
-    """This deployment carries no images: an image content part is the client's mistake, named."""
+def test_a_bad_image_part_is_refused_at_the_gateway_and_never_retried(cluster, client):
+    """An image part that holds no image is the client's mistake, named, before any stage sees it
+    (tests/e2e/test_images.py has the whole matrix)."""
     retries = cluster.metric("deepinfer:router_retries_total")
     content = [{"type": "text", "text": "what is this?"}, {"type": "image_url", "image_url": {"url": "data:,"}}]
     r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": content}], "max_tokens": 4})
     assert r.status_code == 400, r.text
     error = r.json()["error"]
-    assert error["param"] == "messages[0].content[1]" and "image_url" in error["message"], error
+    assert error["param"] == "messages[0].content[1]" and "data URL" in error["message"], error
     assert error["type"] == "invalid_request_error"
     assert cluster.metric("deepinfer:router_retries_total") == retries
 

@@ -1,11 +1,14 @@
 """Disaggregated (PE -> NIXL -> CE) output equals `serve --colocated` (one NORMAL engine) for
 greedy requests, single and fanned out (n > 1). The colocated cluster also runs with an API key."""
 
+import base64
+
 import httpx
 import openai
 import pytest
 
 from tests.helpers.cluster import SMALL_ENGINE, ServeProcess
+from tests.helpers.images import make_png
 
 KEY = "sesame"
 PROMPTS = ["Hello, my name is", "The capital of France is", "x", "A much longer prompt " * 12]
@@ -37,6 +40,21 @@ def test_greedy_fan_out_equals_colocated(cluster, colocated):
     outs = _outputs(cluster, **greedy)
     assert outs == _outputs(colocated, **greedy)
     assert all(a == b for a, b in outs)
+
+
+def test_images_disaggregated_through_an_encoder_equal_a_normal_engine_encoding_in_process(cluster, colocated):
+    """E -> P -> D (the shared cluster has a vision encoder) against `--colocated`, where the
+    NORMAL engine encodes the image itself (and no encoder pool is started)."""
+    url = "data:image/png;base64," + base64.b64encode(make_png(44, 38, seed=21)).decode()
+    content = [{"type": "text", "text": "what is it?"}, {"type": "image_url", "image_url": {"url": url}}]
+    body = {"messages": [{"role": "user", "content": content}], "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    answers = []
+    for serve, headers in ((cluster, {}), (colocated, {"Authorization": f"Bearer {KEY}"})):
+        r = httpx.post(f"{serve.base_url}/chat/completions", json=body, headers=headers, timeout=120)
+        assert r.status_code == 200, r.text
+        answers.append((r.json()["choices"][0]["message"]["content"], r.json()["usage"]["prompt_tokens"]))
+    assert answers[0] == answers[1]
+    assert colocated.metric("deepinfer:encoder_images_total") == 0
 
 
 def test_api_key_is_required_except_for_health_and_metrics(colocated):

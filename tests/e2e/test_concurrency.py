@@ -15,7 +15,7 @@ def _workers(cluster) -> dict[str, str]:
     """pool name -> worker address."""
     with grpc.insecure_channel(cluster.grpc_address) as ch:
         status = gateway_pb2_grpc.ClusterStub(ch).Status(common_pb2.StatusRequest(), timeout=10)
-    names = {2: "prefill", 3: "decode"}
+    names = {1: "encoder", 2: "prefill", 3: "decode"}
     return {names[p.pool]: w.info.address for p in status.pools for w in p.workers}
 
 

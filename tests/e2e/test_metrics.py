@@ -39,9 +39,12 @@ def test_each_worker_exposes_its_own_metrics(cluster):
     with grpc.insecure_channel(cluster.grpc_address) as ch:
         status = gateway_pb2_grpc.ClusterStub(ch).Status(common_pb2.StatusRequest(), timeout=10)
     workers = [w for p in status.pools for w in p.workers]
-    assert len(workers) == 2
+    assert sorted(w.info.pool for w in workers) == [1, 2, 3]  # the embedded model has a vision tower: a VE too
     for w in workers:
         text = httpx.get(f"http://{w.info.metrics_address}/metrics", timeout=10).text
-        role = {2: "prefill", 3: "decode"}[w.info.pool]
+        role = {1: "encoder", 2: "prefill", 3: "decode"}[w.info.pool]
+        if role == "encoder":
+            assert f'deepinfer:encoder_queue_images{{role="{role}",worker="{w.info.worker_id}"}}' in text
+            continue
         assert f'deepinfer:kv_cache_usage_perc{{role="{role}",worker="{w.info.worker_id}"}}' in text
         assert metric_value(text, "deepinfer:handoffs_total") >= 1

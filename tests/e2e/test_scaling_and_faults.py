@@ -16,7 +16,8 @@ from tests.helpers.cluster import SMALL_ENGINE, ServeProcess, wait_until
 
 @pytest.fixture(scope="module")
 def serve(cluster):
-    s = ServeProcess("--ray-address", cluster.ray_address, *SMALL_ENGINE)  # its own workers on the shared Ray
+    # its own workers on the shared Ray; text only: no vision encoder to count in the pool sizes
+    s = ServeProcess("--ray-address", cluster.ray_address, "--encoder", "0", *SMALL_ENGINE)
     yield s
     s.stop()
 

@@ -172,6 +172,16 @@ def build_hf_llava(
     return model.eval()
 
 
+HF_IMAGE_PROCESSORS = {
+    "clip": lambda: transformers.CLIPImageProcessorPil(
+        size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}
+    ),
+    "siglip": lambda: transformers.SiglipImageProcessorPil(size={"height": 32, "width": 32}),
+}
+"""The image processor of each tower at TINY_VISION's size, pinned to transformers' PIL backend
+(which ours follows step for step; tests/models/test_llava.py says why)."""
+
+
 def save_hf_llava(directory: str | os.PathLike, **kwargs: Any) -> transformers.PreTrainedModel:
     """`build_hf_llava(**kwargs)` saved with `save_pretrained`; returns the HF model."""
     model = build_hf_llava(**kwargs)

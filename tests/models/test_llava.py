@@ -25,23 +25,17 @@ import shutil
 import numpy as np
 import pytest
 import torch
-import transformers
 from PIL import Image
 
 from deepinfer_core import LLM, SamplingParams
 from deepinfer_core.builtin import TINY_MODEL_DIR
 from deepinfer_core.models.loader import load_vision_encoder
 from deepinfer_core.multimodal.image_processor import ImageProcessorConfig, load_image, preprocess_images
-from tests.helpers.hf_models import IMAGE_TOKEN_ID, model_config_for, save_hf_llava
+from tests.helpers.hf_models import HF_IMAGE_PROCESSORS, IMAGE_TOKEN_ID, model_config_for, save_hf_llava
 from tests.helpers.images import make_png
 
 MAX_NEW = 8
-PROCESSORS = {
-    "clip": lambda: transformers.CLIPImageProcessorPil(
-        size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}
-    ),
-    "siglip": lambda: transformers.SiglipImageProcessorPil(size={"height": 32, "width": 32}),
-}
+PROCESSORS = HF_IMAGE_PROCESSORS
 # (vision tower, language model): DeepSeek-V3 + CLIP is the built-in model's composition
 COMPOSITIONS = [("clip", "deepseek_v3"), ("siglip", "llama")]
 

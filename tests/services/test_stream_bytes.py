@@ -72,8 +72,8 @@ class _Recording:
         self.core = core
         self.recorded: list = []
 
-    async def generate(self, prompts, params, request_id):
-        async for choice, delta in self.core.generate(prompts, params, request_id):
+    async def generate(self, prompts, params, request_id, images=()):
+        async for choice, delta in self.core.generate(prompts, params, request_id, images):
             self.recorded.append((choice, choice.text_len, delta))
             yield choice, delta
 

@@ -50,7 +50,7 @@ def test_acceptance_rule_emits_target_distribution():
 def _tokens(nextn: int, n: int = 240) -> list[list[int]]:
     torch.manual_seed(1234 + nextn)
     engine = make_engine(num_speculative_tokens=nextn, max_num_seqs=128)
-    params = SamplingParams(temperature=1.0, top_k=3, max_tokens=3, ignore_eos=True)
+    params = SamplingParams(temperature=1.0, top_k=3, max_tokens=6, ignore_eos=True)
     for j in range(n):
         engine.add_request(f"s{j}", params=params, prompt_token_ids=[11, 402, 77, 9])
     tokens = [o.outputs[0].token_ids for o in run_to_completion(engine).values()]

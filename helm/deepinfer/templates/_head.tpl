@@ -10,6 +10,8 @@
 {{- $pool := index $v.pools $name -}}
 {{- $args = append $args (printf "--%s=%d" $name (mul (int $pool.replicas) (int (include "deepinfer.enginesPerPod" $pool)))) -}}
 {{- end -}}
+{{- $enc := $v.pools.encoder -}}
+{{- $args = append $args (printf "--encoder=%d" (ternary (mul (int $enc.replicas) (int (include "deepinfer.enginesPerPod" $enc))) 0 (eq (toString $enc.enabled) "true"))) -}}
 {{- $args = append $args "--pools-config=/etc/deepinfer/pools.json" -}}
 {{- if $v.autoscaling.enabled -}}{{- $args = append $args "--autoscale" -}}{{- end -}}
 {{- with include "deepinfer.modelDir" . -}}{{- $args = append $args (printf "--model=%s" .) -}}{{- end -}}

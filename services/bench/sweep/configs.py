@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-_PD = re.compile(r"(\d+)p(\d+)d")
+_PD = re.compile(r"(\d+)p(\d+)d((?:-cond|-nostore)*)")
 _COLOCATED = re.compile(r"colocated(\d*)")
 
 
@@ -18,15 +18,25 @@ class ServeConfig:
 
 
 def parse_config(name: str) -> ServeConfig:
-    """`colocated[N]`: N NORMAL engines (default 1); `XpYd`: X prefill and Y decode engines."""
+    """`colocated[N]`: N NORMAL engines (default 1); `XpYd`: X prefill and Y decode engines, every
+    prompt through a PE; suffixes: `-cond` conditional disaggregation (short prompts prefilled on
+    the CE, `deepinfer serve`'s default), `-nostore` no KV store under the engines."""
     name = name.strip().lower()
     colocated = _COLOCATED.fullmatch(name)
     if colocated:
         return ServeConfig(name, ("--colocated", "--decode", colocated.group(1) or "1"))
     pd = _PD.fullmatch(name)
     if pd and int(pd.group(1)) > 0 and int(pd.group(2)) > 0:
-        return ServeConfig(name, ("--prefill", pd.group(1), "--decode", pd.group(2)))
-    raise ValueError(f"--configs: unknown configuration {name!r}; expected colocated, colocatedN or XpYd (e.g. 2p1d)")
+        args = ["--prefill", pd.group(1), "--decode", pd.group(2)]
+        suffixes = pd.group(3)
+        if "-cond" not in suffixes:
+            args += ["--local-prefill-tokens", "0"]
+        if "-nostore" in suffixes:
+            args += ["--no-kv-store"]
+        return ServeConfig(name, tuple(args))
+    raise ValueError(
+        f"--configs: unknown configuration {name!r}; expected colocated, colocatedN or XpYd[-cond][-nostore] (e.g. 2p1d)"
+    )
 
 
 def parse_configs(text: str) -> list[ServeConfig]:

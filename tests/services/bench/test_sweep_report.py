@@ -16,14 +16,17 @@ SLOS = {"ttft": 100.0, "tpot": 20.0}
 
 
 def test_configuration_names():
-    configs = parse_configs("colocated,1p1d,2P1D,colocated2")
+    configs = parse_configs("colocated,1p1d,2P1D,colocated2,1p1d-cond,1p2d-nostore")
+    pure = ("--local-prefill-tokens", "0")
     assert [c.serve_args for c in configs] == [
         ("--colocated", "--decode", "1"),
-        ("--prefill", "1", "--decode", "1"),
-        ("--prefill", "2", "--decode", "1"),
+        ("--prefill", "1", "--decode", "1", *pure),
+        ("--prefill", "2", "--decode", "1", *pure),
         ("--colocated", "--decode", "2"),
+        ("--prefill", "1", "--decode", "1"),
+        ("--prefill", "1", "--decode", "2", *pure, "--no-kv-store"),
     ]
-    for bad in ("pd", "0p1d", "1p1d,1p1d", ""):
+    for bad in ("pd", "0p1d", "1p1d,1p1d", "", "1p1d-fast"):
         with pytest.raises(ValueError):
             parse_configs(bad)
 
@@ -66,5 +69,5 @@ def test_report_has_the_tables_and_three_png_charts(tmp_path):
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
     report = (tmp_path / "report.md").read_text()
     assert "| colocated | `--colocated --decode 1` | 1 |" in report
-    assert "| 1p1d | `--prefill 1 --decode 1` | 2 |" in report
+    assert "| 1p1d | `--prefill 1 --decode 1 --local-prefill-tokens 0` | 2 |" in report
     assert report.count("| colocated | 1 | 20 | 0 |") == 1 and "70%" in report and "95%" in report

@@ -1,0 +1,156 @@
+"""`deepinfer bench serve` against an outside instrument (guidellm) on the same server and load.
+
+Both instruments send the same shape of load — fixed concurrency, random prompts of
+`--input-len` tokens, `--output-len` output tokens with EOS ignored, streamed `/v1/completions` —
+to one server, one instrument at a time, alternating which goes first each round so that a drift
+of the machine's load weighs on both. Compared: TTFT p50 and output throughput (tokens/s), each
+as deepinfer / guidellm with the 10% band; the last line takes the median of the rounds.
+
+guidellm lives in its own environment (it pins other versions of torch and transformers), named
+by `--guidellm`: e.g. `python -m venv /tmp/guidellm-venv && /tmp/guidellm-venv/bin/pip install
+torch==2.13.0 guidellm`.
+
+    python -m benchmarks.bench_agreement --guidellm /tmp/guidellm-venv/bin/guidellm          # starts 1P1D
+    python -m benchmarks.bench_agreement --base-url http://127.0.0.1:8000 --model NAME --guidellm ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from typing import Optional
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from deepinfer_core.builtin import TINY_MODEL_DIR, TINY_MODEL_NAME  # noqa: E402
+from services.bench.sweep.configs import parse_config  # noqa: E402
+from services.bench.sweep.launcher import LaunchedServer  # noqa: E402
+
+BAND = 0.10
+"""Agreement wanted: each figure within 10% of guidellm's."""
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--guidellm", default="guidellm", help="the guidellm executable (its own venv)")
+    p.add_argument("--base-url", default=None, help="a running server; default: start `deepinfer serve` (--config)")
+    p.add_argument("--model", default=TINY_MODEL_NAME)
+    p.add_argument("--tokenizer", default=TINY_MODEL_DIR, help="the served model's tokenizer, for both instruments")
+    p.add_argument(
+        "--config", default="1p1d", help="the configuration to start without --base-url (bench sweep's names)"
+    )
+    p.add_argument("--serve-args", default="--num-blocks 2048 --block-size 16 --max-model-len 1024")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--concurrency", type=int, default=4)
+    p.add_argument("--num-prompts", type=int, default=60)
+    p.add_argument("--input-len", type=int, default=64)
+    p.add_argument("--output-len", type=int, default=32)
+    p.add_argument("--json", default=None, help="write every figure here")
+    return p.parse_args(argv)
+
+
+def run_deepinfer(args, url: str, out_dir: str, tag: str) -> dict[str, float]:
+    name = f"deepinfer-{tag}.json"
+    cmd = [sys.executable, "-m", "services.cli.main", "bench", "serve", "--base-url", url, "--model", args.model]
+    cmd += ["--tokenizer", args.tokenizer, "--max-concurrency", str(args.concurrency)]
+    cmd += ["--num-prompts", str(args.num_prompts), "--random-input-len", str(args.input_len)]
+    cmd += ["--random-output-len", str(args.output_len), "--ignore-eos", "--num-warmups", "2"]
+    cmd += ["--result-dir", out_dir, "--result-filename", name]
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, timeout=900)
+    with open(os.path.join(out_dir, name)) as f:
+        r = json.load(f)
+    return {"ttft_p50_ms": r["median_ttft_ms"], "output_tok_s": r["output_throughput"], "failed": r["failed"]}
+
+
+def run_guidellm(args, url: str, out_dir: str, tag: str) -> dict[str, float]:
+    path = os.path.join(out_dir, f"guidellm-{tag}.json")
+    backend = f"kind=openai_http,target={url},model={args.model},request_format=/v1/completions,validate_backend=false"
+    data = f"kind=synthetic_text,prompt_tokens={args.input_len},output_tokens={args.output_len}"
+    cmd = [args.guidellm, "run", "--backend", backend, "--profile", f"kind=concurrent,streams={args.concurrency}"]
+    cmd += ["--data", data, "--tokenizer", f"kind=hf_auto,model={args.tokenizer}"]
+    cmd += ["--constraint", f"kind=max_requests,count={args.num_prompts}", "--output", f"kind=json,path={path}"]
+    cmd += ["--disable-console"]
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=900, cwd=out_dir)
+    with open(path) as f:
+        metrics = json.load(f)["benchmarks"][0]["metrics"]
+    return {
+        "ttft_p50_ms": metrics["time_to_first_token_ms"]["successful"]["median"],
+        "output_tok_s": metrics["output_tokens_per_second"]["successful"]["mean"],
+        "failed": metrics["request_totals"]["errored"],
+    }
+
+
+def rounds(args, url: str, out_dir: str) -> list[dict]:
+    rows = []
+    for i in range(args.rounds):
+        order = ("deepinfer", "guidellm") if i % 2 == 0 else ("guidellm", "deepinfer")
+        got = {}
+        for who in order:
+            got[who] = (run_deepinfer if who == "deepinfer" else run_guidellm)(args, url, out_dir, str(i))
+        rows.append({"round": i + 1, "first": order[0], **got})
+        print(f"  round {i + 1}: {_row(rows[-1])}", flush=True)
+    return rows
+
+
+def _ratios(d: dict, g: dict) -> tuple[float, float]:
+    return d["ttft_p50_ms"] / g["ttft_p50_ms"], d["output_tok_s"] / g["output_tok_s"]
+
+
+def _row(r: dict) -> str:
+    d, g = r["deepinfer"], r["guidellm"]
+    ttft, tput = _ratios(d, g)
+    return (
+        f"| {r['round']} | {r['first']} | {d['ttft_p50_ms']:.1f} / {g['ttft_p50_ms']:.1f} | {ttft:.2f} | "
+        f"{d['output_tok_s']:.1f} / {g['output_tok_s']:.1f} | {tput:.2f} | {d['failed']} / {g['failed']} |"
+    )
+
+
+def summary(rows: list[dict]) -> dict[str, float]:
+    ttft = statistics.median(_ratios(r["deepinfer"], r["guidellm"])[0] for r in rows)
+    tput = statistics.median(_ratios(r["deepinfer"], r["guidellm"])[1] for r in rows)
+    return {"ttft_ratio": ttft, "throughput_ratio": tput, "agree": abs(ttft - 1) <= BAND and abs(tput - 1) <= BAND}
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="bench-agreement-") as out_dir:
+        server: Optional[LaunchedServer] = None
+        url = args.base_url
+        if url is None:
+            server = LaunchedServer(
+                parse_config(args.config), args.serve_args.split(), os.path.join(out_dir, "serve.log")
+            )
+            url = server.wait_ready(600)
+        try:
+            rows = rounds(args, url.rstrip("/"), out_dir)
+        finally:
+            if server is not None:
+                server.stop()
+    result = summary(rows)
+    print(
+        f"\n`deepinfer bench serve` vs guidellm: concurrency {args.concurrency}, {args.num_prompts} requests of "
+        f"{args.input_len} -> {args.output_len} tokens, {url}\n"
+    )
+    print(
+        "| round | first | TTFT p50 deepinfer / guidellm (ms) | ratio | output tok/s deepinfer / guidellm | ratio | failed |"
+    )
+    print("|---:|---|---:|---:|---:|---:|---:|")
+    print("\n".join(_row(r) for r in rows))
+    verdict = "within" if result["agree"] else "NOT within"
+    print(
+        f"\nmedian ratios: TTFT p50 {result['ttft_ratio']:.2f}, output throughput {result['throughput_ratio']:.2f} "
+        f"({verdict} {BAND:.0%})"
+    )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"config": vars(args), "rounds": rows, "summary": result}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

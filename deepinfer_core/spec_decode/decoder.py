@@ -90,6 +90,9 @@ class SpecDecoder:
                 if d:
                     del seq.output_token_ids[-len(d.tokens) :]
         hidden = runner._forward(inp)  # [T, H]
+        if runner.device.type == "cuda":  # KV of this step is written once it completes (KV store saves)
+            runner.forward_event = torch.cuda.Event()
+            runner.forward_event.record()
         row0 = list(itertools.accumulate(counts, initial=0))[:-1]
         logits = runner.model.compute_logits(hidden)  # [T, V]
         result = StepResult([[] for _ in seqs], [[] for _ in seqs], [[] for _ in seqs], consecutive=True)

@@ -57,3 +57,19 @@ def test_status_shows_acceptance_per_position(load):
     )  # fmt: skip
     text = format_status(status)
     assert "mtp acceptance" in text and f"of {load.spec_draft_tokens} drafts (1:" in text and " 2:" in text
+
+
+def test_serve_flag_reaches_the_engine_args():
+    import argparse
+
+    from deepinfer_core.roles import EngineType
+    from services.cli import serve
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--log-level", default="WARNING")  # the top-level flag `deepinfer` adds
+    serve.add_parser(parser.add_subparsers())
+    chosen = serve.config_from_args(parser.parse_args(["serve", "--device", "cpu", "--num-speculative-tokens", "2"]))
+    default = serve.config_from_args(parser.parse_args(["serve", "--device", "cpu"]))
+    assert default.engine_args.num_speculative_tokens is None  # DEEPINFER_USE_NEXTN_DECODE decides
+    with role_environment():
+        assert chosen.engine_args.to_engine_args(EngineType.COMPLETION).nextn == 2

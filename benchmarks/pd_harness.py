@@ -126,6 +126,8 @@ class _Server:
             "computed_prompt_tokens": getattr(self.engine, "num_computed_prompt_tokens", 0),
             "loading": len(sched.loading),
             "kv_store": self.kv_store_stats(),
+            "spec_draft_tokens": self.engine.load().spec_draft_tokens,
+            "spec_accepted_tokens": self.engine.load().spec_accepted_tokens,
         }
 
     def kv_store_stats(self):

@@ -160,6 +160,11 @@ class SchedulerConfig:
         return min(self.max_model_len, self.max_num_batched_tokens)
 
     @property
+    def num_speculative_tokens(self) -> int:
+        """nextn: draft tokens a decode step verifies per sequence (0: no speculative decoding)."""
+        return self.num_decode_tokens_per_seq - 1
+
+    @property
     def max_num_decoding_tokens(self) -> int:
         return self.max_num_seqs * self.num_decode_tokens_per_seq
 

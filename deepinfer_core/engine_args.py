@@ -73,6 +73,9 @@ class EngineArgs:
     """The P/D hand-off's timeouts and lease; None: `PDConfig()`'s defaults."""
     kv_store: Optional[KVStoreConfig] = None
     """The KV cache store (L2 host pool, L3 files); None: no store."""
+    num_speculative_tokens: Optional[int] = None
+    """MTP draft tokens per decode step (nextn); None: DEEPINFER_USE_NEXTN_DECODE. Ignored by a
+    role that does not decode (a PE)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.engine_type, int):
@@ -87,6 +90,13 @@ class EngineArgs:
         envs.rearm("DEEPINFER_ZERO_OVERHEAD_SCHEDULING")
         os.environ.setdefault("DEEPINFER_USE_MULTIMODAL_POOL", "1" if role.multimodal_pool_default else "0")
         envs.rearm("DEEPINFER_USE_MULTIMODAL_POOL")
+
+    @property
+    def nextn(self) -> int:
+        nextn = envs.DEEPINFER_USE_NEXTN_DECODE if self.num_speculative_tokens is None else self.num_speculative_tokens
+        if nextn < 0:
+            raise ValueError(f"num_speculative_tokens must be >= 0, got {nextn}")
+        return nextn
 
     def resolve_device(self) -> str:
         if self.device == "auto":
@@ -126,7 +136,7 @@ class EngineArgs:
             max_num_seqs=self.max_num_seqs,
             chunked_prefill=self.chunked_prefill,
             stop_preempted_request=self.stop_preempted_request,
-            num_decode_tokens_per_seq=1 + (envs.DEEPINFER_USE_NEXTN_DECODE if role.speculative_decoding else 0),
+            num_decode_tokens_per_seq=1 + (self.nextn if role.speculative_decoding else 0),
         )
         cache = CacheConfig(
             block_size=self.block_size or default_block_size(model.hf_config, device),

@@ -77,6 +77,8 @@ class Sequence:
     state_src: int = -1
     """For a fork: the parent's slot, cloned into this one when the fork starts decoding."""
     last_copy_state_token_idx: int = 0
+    spec_slot: int = -1
+    """Speculative slot (`spec_decode.slots.DraftSlots`) holding its drafts; -1 = none."""
     generator: Optional[torch.Generator] = None
     stop_reason: Optional[int | str] = None
     error: Optional[str] = None

@@ -31,6 +31,7 @@ from deepinfer_core.scheduler.dp_vote import DPVote
 from deepinfer_core.scheduler.outputs import SchedulerOutputs
 from deepinfer_core.scheduler.scheduler import Scheduler
 from deepinfer_core.sequence import Sequence
+from deepinfer_core.spec_decode.decoder import SpecDecoder
 from deepinfer_core.worker.events import DeviceEvent, launch_async
 from deepinfer_core.worker.model_runner import StepResult
 from deepinfer_core.worker.worker import Worker
@@ -68,6 +69,7 @@ class LLMEngine(RequestAdmission, SamplingRules):
         self._seq_ids = itertools.count()
         self.copy_state_event: Optional[DeviceEvent] = None
         self._init_cache(dp_group)
+        self.spec = self._build_spec_decoder()
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs, **kwargs) -> LLMEngine:
@@ -88,6 +90,18 @@ class LLMEngine(RequestAdmission, SamplingRules):
         self.scheduler = Scheduler(self.config.scheduler, self.config.cache, num_blocks, dp_vote, slots)
         if self.role.init_pd_split:
             self.init_pd_split()
+
+    def _build_spec_decoder(self) -> Optional[SpecDecoder]:
+        """MTP drafting where the worker loaded a draft (the role drafts, nextn > 0); its steps need
+        their accepted counts before the next schedule, so they do not overlap."""
+        if self.worker.draft is None:
+            return None
+        nextn = self.config.scheduler.num_speculative_tokens
+        logger.info("speculative decoding: MTP drafts %d token(s) per step; zero-overhead scheduling off", nextn)
+        self.zero_overhead_scheduling = False
+        return SpecDecoder(
+            self.worker.runner, self.worker.draft, self.scheduler, nextn, self.config.scheduler.max_num_seqs
+        )
 
     @property
     def copy_state(self) -> Optional[torch.Tensor]:
@@ -124,6 +138,7 @@ class LLMEngine(RequestAdmission, SamplingRules):
         sched = self.scheduler
         bm = sched.block_manager
         prompted = [entry[0] for entry in sched.prompted]
+        spec = self.spec.slots.stats if self.spec is not None else None
         return EngineLoad(
             queued_prompt_tokens=sum(s.num_uncomputed_tokens for s in sched.waiting),
             running_requests=len(sched.running) + len(prompted),
@@ -135,6 +150,10 @@ class LLMEngine(RequestAdmission, SamplingRules):
             requests=len(self.requests),
             prefix_queries=bm.prefix_queries,
             prefix_hits=bm.prefix_hits,
+            spec_draft_tokens=spec.draft_tokens if spec else 0,
+            spec_accepted_tokens=spec.accepted_tokens if spec else 0,
+            spec_proposed_per_position=list(spec.proposed_at) if spec else [],
+            spec_accepted_per_position=list(spec.accepted_at) if spec else [],
         )
 
     # ---- the step (SPEC §2) -------------------------------------------------------------
@@ -151,7 +170,10 @@ class LLMEngine(RequestAdmission, SamplingRules):
         if self.engine_type == EngineType.PROMPT and not out.is_empty:
             assert out.prompt_run, "a PROMPT engine only runs prefill steps"
         rows = self._sampling_rows(out)
-        handle = self.worker.runner.launch(out, rows, overlap.placeholder_fill(prev, out))
+        if self.spec is not None and not out.prompt_run and not out.is_empty:
+            handle = self.spec.launch(out, rows)  # verifies last step's drafts
+        else:
+            handle = self.worker.runner.launch(out, rows, overlap.placeholder_fill(prev, out))
         # With a step in flight, finalize_seq here may release blocks that it (and this step, for
         # a sequence its token ends) still writes: whoever gets them next is launched later on the
         # same stream, so those writes land first; on CPU every launch has completed when it returns.
@@ -162,7 +184,10 @@ class LLMEngine(RequestAdmission, SamplingRules):
             self._step_in_flight = InFlightStep.launched(out, handle, rows)
             return outputs
         result = handle.result()  # the sample-end synchronisation
-        return outputs + self.post_process(out, result)
+        outputs += self.post_process(out, result)
+        if self.spec is not None and not out.is_empty:
+            self.spec.propose(out, self.requests)  # drafts for the next step
+        return outputs
 
     def _settle_step_in_flight(self) -> tuple[list[RequestOutput], Optional[InFlightStep]]:
         """Advance the step the previous call left in flight. It is read back now (its outputs

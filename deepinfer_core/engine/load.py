@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass
@@ -56,3 +56,12 @@ class EngineLoad:
     kv_store_l3_capacity_bytes: int = 0
     local_prefills: int = 0
     """CE: prompts it prefilled itself, their uncached part being short (conditional disaggregation)."""
+    # Speculative decoding (MTP drafts; all 0 on an engine that does not draft).
+    spec_draft_tokens: int = 0
+    """Draft tokens the target verified."""
+    spec_accepted_tokens: int = 0
+    """Of which accepted."""
+    spec_proposed_per_position: list[int] = field(default_factory=list)
+    """[nextn]: drafts verified at draft position j (1st, 2nd, ... token after the last one)."""
+    spec_accepted_per_position: list[int] = field(default_factory=list)
+    """[nextn]: of which accepted (acceptance rate at j = accepted / proposed)."""

@@ -54,6 +54,12 @@ class SamplingRules:
         tokens = result.token_ids[i]
         lps = result.logprobs[i] or [None] * len(tokens)
         tops = result.top_logprobs[i] or [None] * len(tokens)
+        if result.consecutive:  # accepted drafts, then the target's token: one after another
+            for token, lp, top in zip(tokens, lps, tops):
+                if seq.is_finished:
+                    break  # a stop rule ended it; the later tokens are never output
+                self._append_token(state, seq, token, lp, top)
+            return
         if len(tokens) > 1:  # first tokens of an n > 1 request: fork the other samples
             state.forked = True
             for k in range(1, len(tokens)):

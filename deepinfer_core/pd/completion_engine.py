@@ -38,6 +38,7 @@ from deepinfer_core.roles import EngineType
 from deepinfer_core.sampling.sampler import replay_draws
 from deepinfer_core.sampling_params import SamplingParams
 from deepinfer_core.sequence import Sequence, SequenceStatus
+from deepinfer_core.spec_decode.handoff import decode_hidden
 from deepinfer_core.transfer.layout import KVLayout
 from deepinfer_core.transfer.messages import HandoffNotice, KVTarget
 from deepinfer_core.transfer.nixl_agent import NixlKVAgent
@@ -227,6 +228,10 @@ class CompletionEngine(LLMEngine):
             self.scheduler.free_seq(seq)
         else:
             self.scheduler.add_prompted(seq)
+            if self.spec is not None and notice.last_hidden:  # drafts for the first decode step
+                self.spec.start_from_handoff(
+                    seq, decode_hidden(notice.last_hidden, self.worker.device, self.config.model.dtype)
+                )
         out = state.to_output()
         if out.finished:
             self.requests.pop(notice.request_id, None)

@@ -27,6 +27,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional
 
+import torch
+
 from deepinfer_core import envs
 from deepinfer_core.engine.handoff_result import HandoffResult
 from deepinfer_core.engine.llm_engine import LLMEngine
@@ -40,6 +42,7 @@ from deepinfer_core.roles import EngineType
 from deepinfer_core.sampling_params import SamplingParams
 from deepinfer_core.scheduler.outputs import SchedulerOutputs
 from deepinfer_core.sequence import Sequence
+from deepinfer_core.spec_decode.handoff import encode_hidden, has_mtp_layer
 from deepinfer_core.transfer.layout import KVLayout
 from deepinfer_core.transfer.messages import HandoffNotice, KVRegion, KVTarget
 from deepinfer_core.transfer.nixl_agent import NixlKVAgent, PreparedWrite, Transfer
@@ -63,6 +66,8 @@ class _Pending:
     error: Optional[str] = None
     seconds: float = 0.0
     exposed_seconds: float = 0.0
+    last_hidden: Optional[torch.Tensor] = None
+    """[H]: the prompt's last hidden state, for a CE that drafts (models with an MTP layer)."""
 
 
 class PromptEngine(LLMEngine):
@@ -82,6 +87,9 @@ class PromptEngine(LLMEngine):
         self.set_layer_groups(envs.DEEPINFER_PD_LAYER_GROUPS or (4 if self.cache.kv_buffer.is_cuda else 1))
         self.targets: dict[str, KVTarget] = {}
         self._handoff: list[Sequence] = []
+        self._handoff_rows: list[int] = []
+        self.sends_last_hidden = has_mtp_layer(self.config.model.hf_config, self.config.model.builtin)
+        """Hand-offs carry the prompt's last hidden state (a CE drafts with the MTP layer from it)."""
         self._chunks: list[tuple[Sequence, int]] = []  # (seq, tokens computed once this step ends)
         self._deferred: list[tuple[Sequence, int, object]] = []  # chunks to post next step, + forward event
         self._streams: dict[str, _Pending] = {}  # mid-prompt requests with chunk writes posted
@@ -177,10 +185,12 @@ class PromptEngine(LLMEngine):
     # ---- hooks ----------------------------------------------------------------------------
     def post_schedule(self, out: SchedulerOutputs) -> None:
         self._handoff, self._chunks = [], []
+        self._handoff_rows = []  # per hand-off: its last row in the step's hidden states
         self.num_computed_prompt_tokens += sum(out.num_new_tokens)
         for i, seq in enumerate(out.scheduled_seqs):
             if out.samples(i):
                 self._handoff.append(seq)
+                self._handoff_rows.append(sum(out.num_new_tokens[: i + 1]) - 1)
             elif envs.DEEPINFER_PD_STREAM_CHUNKS and seq.request_id in self.targets:
                 self._chunks.append((seq, seq.num_cached_tokens + out.num_new_tokens[i]))
 
@@ -214,6 +224,10 @@ class PromptEngine(LLMEngine):
             self._streams.pop(s.request_id, None) or _Pending(s, self.targets[s.request_id]) for s in self._handoff
         ]
         upto = [bm.blocks_needed(len(p.seq)) for p in pending]
+        hidden, self.worker.runner.last_hidden = self.worker.runner.last_hidden, None  # not kept past the step
+        if self.sends_last_hidden and hidden is not None:
+            for p, row in zip(pending, self._handoff_rows):
+                p.last_hidden = hidden[row].clone()
         events = self.worker.runner.layer_events
         groups = (self._layer_groups if events is not None and len(events) == self.layout.num_layers else []) or [None]
         prepared = [[self._prepare(p, n, layers) for p, n in zip(pending, upto)] for layers in groups]
@@ -330,6 +344,7 @@ class PromptEngine(LLMEngine):
             error=pending.error,
             num_cached_tokens=seq.num_prefix_hit_tokens if ok else 0,
             image_spans=image_spans(seq) if ok else None,
+            last_hidden=encode_hidden(pending.last_hidden) if ok and pending.last_hidden is not None else None,
         )
         try:
             self.agent.send_notif(target.engine_id, notice.to_bytes())

@@ -26,7 +26,7 @@ from deepinfer_core.sampling.sampling_row import SamplingRow
 from deepinfer_core.sampling_params import SamplingParams
 from deepinfer_core.worker.events import HostCopy, to_device
 
-__all__ = ["QueuedSample", "Sampler", "SamplerOutput", "compute_prompt_logprobs"]
+__all__ = ["QueuedSample", "Sampler", "SamplerOutput", "compute_prompt_logprobs", "processed_probs"]
 
 
 @dataclass
@@ -102,12 +102,17 @@ def _pick_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
 
 def _sample(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:  # [n] int64
     """Draw from non-greedy rows; `logits` ([n, V] float32) may be edited in place."""
+    return _exponential_race(processed_probs(logits, rows), [r.generator for r in rows])
+
+
+def processed_probs(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:  # [n, V]
+    """The distribution a non-greedy row draws from: temperature, top-k, top-p, min-p, softmax.
+    `logits` ([n, V] float32) may be edited in place. Speculative decoding verifies against it."""
     temperature = _float([r.params.temperature for r in rows], logits.device)  # [n]
     logits.div_(temperature[:, None])
     logits = _apply_top_k_top_p(logits, rows)
     _apply_min_p(logits, rows)
-    probs = logits.softmax(dim=-1)  # [n, V]
-    return _exponential_race(probs, [r.generator for r in rows])
+    return logits.softmax(dim=-1)
 
 
 def _apply_top_k_top_p(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:  # [n, V]

@@ -30,6 +30,7 @@ from deepinfer_core.sequence import Sequence, SequenceStatus
 
 if TYPE_CHECKING:
     from deepinfer_core.kvstore.loader import StoreLoader
+    from deepinfer_core.spec_decode.slots import DraftSlots
 
 _LOAD_WAIT_S = 0.005
 """With nothing else to prefill, how long a schedule waits for a store load before an empty step."""
@@ -54,6 +55,8 @@ class Scheduler:
         self.block_manager = BlockManager(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching)
         self.dp_vote = dp_vote
         self.state_slots = StateSlots(num_state_slots)
+        self.draft_slots: Optional[DraftSlots] = None
+        """Speculative slot pool (set by an engine that drafts); a slot is freed with its sequence's blocks."""
         self.waiting: deque[Sequence] = deque()
         self.prompted: deque[tuple[Sequence, bool]] = deque()  # (seq, forked)
         self.running: list[Sequence] = []
@@ -294,6 +297,7 @@ class Scheduler:
         child.first_token_time = None
         child.generator = None
         child.state_id, child.state_src = -1, seq.state_id
+        child.spec_slot = -1  # drafts are the parent's
         self.block_manager.adopt_blocks(child, seq.block_table if blocks is None else blocks)
         if child.num_cached_tokens < len(child) - 1:
             child.status = SequenceStatus.WAITING
@@ -349,6 +353,8 @@ class Scheduler:
         self.block_manager.free(seq)
         self.state_slots.free(seq.state_id)
         seq.state_id = -1
+        if self.draft_slots is not None:
+            self.draft_slots.free(seq)
 
     def remove_seq(self, seq: Sequence) -> None:
         """Drop a sequence from every queue without touching its blocks (a PE's hand-off)."""

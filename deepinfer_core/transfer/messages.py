@@ -106,12 +106,15 @@ class HandoffNotice:
     image_spans: Optional[list[tuple[int, int, int]]] = None
     """(offset, length, content hash) of the prompt's images: the CE keys the blocks it saves to the
     KV store with them, as the PE did."""
+    last_hidden: Optional[str] = None
+    """The target's last hidden state at the prompt's last position (`spec_decode.handoff`): a CE
+    that drafts with the MTP layer starts from it."""
 
     def to_bytes(self) -> bytes:
         obj = asdict(self)
         if self.first_top_logprobs is not None:
             obj["first_top_logprobs"] = {str(k): v for k, v in self.first_top_logprobs.items()}
-        for name in ("num_cached_tokens", "image_spans"):  # left out when unset: the notice reads as before
+        for name in ("num_cached_tokens", "image_spans", "last_hidden"):  # left out when unset: the notice reads as before
             if not obj[name]:
                 del obj[name]
         return _dump("handoff", obj)

@@ -23,6 +23,7 @@ class CacheEngine:
         device: torch.device,
         state_shape: tuple[int, ...] | None = None,
         num_state_slots: int = 0,
+        num_draft_layers: int = 0,
     ):
         self.num_layers = num_layers
         self.block_shape = block_shape
@@ -33,6 +34,10 @@ class CacheEngine:
         self.scratch_block = num_blocks
         self.kv_buffer = torch.zeros((num_layers, num_blocks + 1, *block_shape), dtype=dtype, device=device)
         self.kv_caches: list[torch.Tensor] = list(self.kv_buffer.unbind(0))
+        # A draft model's layers (MTP) index the same blocks but live apart: the transfer plane
+        # registers `kv_buffer` alone, so a PE (which drafts nothing) and a CE share one layout.
+        self.draft_kv_buffer = torch.zeros((num_draft_layers, num_blocks + 1, *block_shape), dtype=dtype, device=device)
+        self.draft_kv_caches: list[torch.Tensor] = list(self.draft_kv_buffer.unbind(0))
         # Per-sequence state slots (sliding-window / recurrent state) and their copy area.
         self.states = self.copy_states = None
         if state_shape is not None and num_state_slots > 0:
@@ -57,6 +62,8 @@ class CacheEngine:
         src = to_device([p[0] for p in pairs], torch.int64, self.device)  # no wait for the running step
         dst = to_device([p[1] for p in pairs], torch.int64, self.device)
         ops.copy_blocks(self.kv_buffer, src, dst)
+        if self.draft_kv_caches:  # a fork's draft KV moves with its block
+            ops.copy_blocks(self.draft_kv_buffer, src, dst)
 
     def copy_state_slots(self, pairs: list[tuple[int, int]]) -> None:
         if self.states is None or not pairs:

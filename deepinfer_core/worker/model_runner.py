@@ -38,6 +38,9 @@ class StepResult:
     top_logprobs: list[list[Optional[dict[int, float]]]]
     prompt_logprobs: dict[int, list[Optional[dict[int, float]]]] = field(default_factory=dict)
     """batch index -> prompt-logprob entries for the positions this step covered."""
+    consecutive: bool = False
+    """A sequence's tokens follow one another (speculative decoding: accepted drafts, then the
+    target's token), rather than being the n > 1 samples of a first token."""
 
 
 @dataclass
@@ -95,6 +98,9 @@ class ModelRunner:
         """Record an event per decoder layer of prefill forwards (a PE sending KV layer by layer)."""
         self.layer_events: Optional[list] = None
         """The last forward's per-layer KV-written events (see `AttentionMetadata.kv_written`)."""
+        self.last_input: Optional[ModelInput] = None
+        self.last_hidden: Optional[torch.Tensor] = None
+        """The last launched step's inputs and target hidden states [T, H] (a draft model reads them)."""
 
     # ---- step -------------------------------------------------------------------------
     @torch.inference_mode()
@@ -104,10 +110,7 @@ class ModelRunner:
         """Queue the forward and the sampling of a step. `rows[i]`: sampling rows of seq i.
         `fill`: input tokens to take from the previous step's samples on the device."""
         assert self.cache is not None, "KV cache not initialised"
-        if out.clone_blocks:
-            self.cache.copy_blocks(out.clone_blocks)
-        if out.clone_states:
-            self.cache.copy_state_slots(out.clone_states)
+        self.apply_copies(out)
         if out.is_empty:
             if out.prompt_run:
                 self._forward(placeholder_input(self.device))  # fixed beat; result discarded
@@ -118,6 +121,7 @@ class ModelRunner:
         if self.want_layer_events and out.prompt_run:
             inp.attn_meta.kv_written = []
         hidden = self._forward(inp)
+        self.last_input, self.last_hidden = inp, hidden
         self.layer_events = inp.attn_meta.kv_written
         if self.device.type == "cuda":
             self.forward_event = torch.cuda.Event()
@@ -126,6 +130,13 @@ class ModelRunner:
         first_rows = dict(zip(queued.counts, itertools.accumulate(queued.counts.values(), initial=0)))
         token_ids = queued.sample.token_ids if queued.sample is not None else None
         return StepHandle(lambda: self._read_back(queued), token_ids, first_rows)
+
+    def apply_copies(self, out: SchedulerOutputs) -> None:
+        """The block and state-slot clones a schedule asks for, before its forward (forks)."""
+        if out.clone_blocks:
+            self.cache.copy_blocks(out.clone_blocks)
+        if out.clone_states:
+            self.cache.copy_state_slots(out.clone_states)
 
     def _fill_placeholders(self, out: SchedulerOutputs, inp: ModelInput, fill: PlaceholderFill) -> None:
         """Overwrite placeholder input tokens with the previous step's samples, on the device

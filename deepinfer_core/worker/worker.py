@@ -24,7 +24,17 @@ class Worker:
                 self.device = torch.device("cuda", torch.cuda.current_device())
             torch.cuda.set_device(self.device)
         self.model = load_model(config.model, self.device)
+        self.draft = None
+        """The MTP draft layer, loaded only where the role drafts (`num_speculative_tokens` > 0)."""
+        if config.scheduler.num_speculative_tokens > 0:
+            from deepinfer_core.spec_decode.draft_model import load_mtp
+
+            self.draft = load_mtp(config.model, self.device, self.model)
         self.runner = ModelRunner(config, self.model, self.device)
+
+    @property
+    def num_draft_kv_layers(self) -> int:
+        return self.draft.num_kv_cache_layers if self.draft is not None else 0
 
     @property
     def block_shape(self) -> tuple[int, ...]:
@@ -32,7 +42,8 @@ class Worker:
 
     @property
     def bytes_per_block(self) -> int:
-        return CacheEngine.bytes_per_block(self.model.num_kv_cache_layers, self.block_shape, self.config.model.dtype)
+        layers = self.model.num_kv_cache_layers + self.num_draft_kv_layers
+        return CacheEngine.bytes_per_block(layers, self.block_shape, self.config.model.dtype)
 
     def determine_num_blocks(self) -> int:
         """Fixed by config, else what fits after the role-shaped peak forward (device) or the CPU budget."""
@@ -64,6 +75,7 @@ class Worker:
             num_blocks,
             self.config.model.dtype,
             self.device,
+            num_draft_layers=self.num_draft_kv_layers,
         )
         self.runner.cache = cache
         logger.info(

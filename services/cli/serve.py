@@ -37,6 +37,13 @@ def add_parser(sub) -> None:
     )
     p.add_argument("--num-blocks", type=int, default=None, help="KV blocks per engine (default: measured)")
     p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument(
+        "--num-speculative-tokens",
+        type=int,
+        default=None,
+        help="MTP draft tokens per decode step (DeepSeek-V3 MTP layer; decode and colocated engines); "
+        "default: DEEPINFER_USE_NEXTN_DECODE, else 0",
+    )
     p.add_argument("--dtype", default="auto")
     p.add_argument("--device", default="auto")
     p.add_argument("--max-n", type=int, default=RequestLimits.max_n, help="largest n a request may ask for")
@@ -171,6 +178,7 @@ def config_from_args(args: argparse.Namespace):
         device=args.device,
         block_size=args.block_size,
         max_num_seqs=args.max_num_seqs,
+        num_speculative_tokens=args.num_speculative_tokens,
         max_model_len=args.max_model_len or None,
         num_gpu_blocks=args.num_blocks or None,
         kv_store=kv_store_args.config_from_args(args),

@@ -41,6 +41,17 @@ def cache_line(w: common_pb2.WorkerStatus) -> str:
             parts.append(f"{x.kv_store_corrupt_entries} corrupt, {x.kv_store_load_failures} failed loads")
     if x.local_prefills:
         parts.append(f"{x.local_prefills} local prefills")
+    if x.spec_draft_tokens:
+        parts.append(spec_part(x))
     if w.prefix_chunks:
         parts.append(f"router remembers {w.prefix_chunks} prefix chunks")
     return "      " + "; ".join(parts)
+
+
+def spec_part(x: common_pb2.WorkerLoad) -> str:
+    """MTP acceptance: overall, then per draft position (1st, 2nd, ... token drafted)."""
+    per = " ".join(
+        f"{j + 1}:{_pct(a, p)}"
+        for j, (p, a) in enumerate(zip(x.spec_proposed_per_position, x.spec_accepted_per_position))
+    )
+    return f"mtp acceptance {_pct(x.spec_accepted_tokens, x.spec_draft_tokens)} of {x.spec_draft_tokens} drafts ({per})"

@@ -126,7 +126,8 @@ def load_to_proto(load: WorkerLoad) -> common_pb2.WorkerLoad:
 
 
 def load_from_proto(msg: common_pb2.WorkerLoad) -> WorkerLoad:
-    return WorkerLoad(**{f.name: getattr(msg, f.name) for f in fields(WorkerLoad)})
+    values = {f.name: getattr(msg, f.name) for f in fields(WorkerLoad)}
+    return WorkerLoad(**{k: list(v) if hasattr(v, "extend") else v for k, v in values.items()})  # repeated -> list
 
 
 def handle_to_proto(h: EmbeddingHandle) -> worker_pb2.EmbeddingHandle:

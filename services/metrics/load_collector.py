@@ -41,6 +41,8 @@ _COUNTERS = [
     ("handoffs", "Prefill-to-decode hand-offs (sent by a PE, received by a CE).", lambda x: x.handoffs),
     ("encoder_images", "Images a vision encoder encoded.", lambda x: x.encoder_images),
     ("encoder_cache_hits", "Images a vision encoder served from its cache.", lambda x: x.encoder_cache_hits),
+    ("spec_decode_draft_tokens", "MTP draft tokens the target model verified.", lambda x: x.spec_draft_tokens),
+    ("spec_decode_accepted_tokens", "MTP draft tokens the target model accepted.", lambda x: x.spec_accepted_tokens),
 ]
 
 _sources: list[LoadSource] = []

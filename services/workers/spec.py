@@ -30,6 +30,8 @@ class EngineSettings:
     num_gpu_blocks: Optional[int] = None
     """KV blocks per engine; None = measured."""
     max_num_seqs: Optional[int] = None
+    num_speculative_tokens: Optional[int] = None
+    """MTP draft tokens per decode step on CE and NORMAL engines; None = DEEPINFER_USE_NEXTN_DECODE."""
     pd: PDConfig = PDConfig()
     """The hand-off's clocks: the engines' and the router's (`RouterConfig.pd`) are this one."""
     kv_store: KVStoreConfig = KVStoreConfig()

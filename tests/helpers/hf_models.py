@@ -232,3 +232,33 @@ def quantize_checkpoint_fp8(path: str | os.PathLike, reference: str | os.PathLik
         "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": list(block),
     }  # fmt: skip
     (path / "config.json").write_text(json.dumps(config))
+
+
+def save_hf_deepseek_mtp(directory: str | os.PathLike, seed: int = 0, **overrides: Any) -> transformers.PreTrainedModel:
+    """A random tiny DeepSeek-V3 checkpoint with one MTP layer, as the V3 release lays it out.
+
+    transformers has no MTP module: a model with one layer more is saved with `save_pretrained`,
+    its last layer becomes the MTP layer's block (`model.layers.<N>.*`), `config.json` says
+    `num_hidden_layers = N, num_nextn_predict_layers = 1`, and the MTP-only tensors (`enorm`,
+    `hnorm`, `eh_proj`, `shared_head.{norm,head}`, `embed_tokens`) are added, drawn from `seed`.
+    Returns the HF model of N + 1 layers (its layer N is the reference for the MTP block)."""
+    n = overrides.pop("num_hidden_layers", TINY_MLA["num_hidden_layers"])
+    model = build_hf_model("deepseek_v3", seed, num_hidden_layers=n + 1, **overrides)
+    model.config._attn_implementation = "eager"
+    model.save_pretrained(directory, safe_serialization=True)
+    path = Path(directory)
+    tensors = load_file(path / "model.safetensors")
+    gen = torch.Generator().manual_seed(seed + 1)
+    h = model.config.hidden_size
+    extra = {"enorm.weight": 1.0 + 0.1 * torch.randn(h, generator=gen), "hnorm.weight": 1.0 + 0.1 * torch.randn(h, generator=gen),
+             "eh_proj.weight": 0.1 * torch.randn(h, 2 * h, generator=gen),
+             "shared_head.norm.weight": 1.0 + 0.1 * torch.randn(h, generator=gen),
+             "shared_head.head.weight": tensors["lm_head.weight"].clone(),
+             "embed_tokens.weight": tensors["model.embed_tokens.weight"].clone()}  # fmt: skip
+    tensors.update({f"model.layers.{n}.{k}": t.contiguous() for k, t in extra.items()})
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((path / "config.json").read_text())
+    config.update(num_hidden_layers=n, num_nextn_predict_layers=1)
+    (path / "config.json").write_text(json.dumps(config))
+    model.mtp_extra = {k: t for k, t in extra.items()}
+    return model

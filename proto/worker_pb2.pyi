@@ -121,6 +121,16 @@ class ConnectPeerReply(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class DisconnectPeerRequest(_message.Message):
+    __slots__ = ("agent_name",)
+    AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
+    agent_name: str
+    def __init__(self, agent_name: _Optional[str] = ...) -> None: ...
+
+class DisconnectPeerReply(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
 class EncodeRequest(_message.Message):
     __slots__ = ("request_id", "images")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]

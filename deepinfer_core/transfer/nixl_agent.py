@@ -118,6 +118,11 @@ class NixlKVAgent:
         )
 
     @property
+    def peers(self) -> frozenset[str]:
+        """Names of the connected peers."""
+        return frozenset(self._peers)
+
+    @property
     def num_remote_lists(self) -> int:
         """Peer descriptor lists prepared so far (one per peer region)."""
         return len(self._remote_dlists)

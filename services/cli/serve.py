@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 
-from services.common.limits import RequestLimits
+from services.common.limits import DEFAULT_MIGRATION_LIMIT, RequestLimits
 
 
 def add_parser(sub) -> None:
@@ -67,6 +67,13 @@ def add_parser(sub) -> None:
         default="127.0.0.1",
         help="address the router and the workers serve each other on; 'auto' = this node's IP (several machines)",
     )
+    p.add_argument(
+        "--migration-limit",
+        type=int,
+        default=DEFAULT_MIGRATION_LIMIT,
+        help="times a request may move to a healthy prefill/decode pair when its decode engine dies mid-stream "
+        "(0 = end such streams with an error; default: %(default)s)",
+    )
     p.set_defaults(func=run)
 
 
@@ -88,6 +95,8 @@ def config_from_args(args: argparse.Namespace):
         import torch
 
         gpus = 1.0 if torch.cuda.is_available() and args.device != "cpu" else 0.0
+    if args.migration_limit < 0:
+        raise ValueError("--migration-limit must be >= 0")
     if args.api_workers < 1:
         raise ValueError("--api-workers must be at least 1")
     for name in ("prefill", "decode"):
@@ -113,6 +122,7 @@ def config_from_args(args: argparse.Namespace):
         autoscale=args.autoscale,
         pools_config=args.pools_config,
         cluster_host=args.cluster_host,
+        migration_limit=args.migration_limit,
         log_level=args.log_level.upper(),
     )
 

@@ -70,10 +70,19 @@ def code_from_grpc(status: grpc.StatusCode) -> ErrorCode:
 class ServiceError(Exception):
     """A request failed in a way the client should hear about: `code` says how."""
 
-    def __init__(self, code: ErrorCode, message: str, param: str | None = None, http_status: int | None = None):
+    def __init__(
+        self,
+        code: ErrorCode,
+        message: str,
+        param: str | None = None,
+        http_status: int | None = None,
+        retry_after_s: float | None = None,
+    ):
         super().__init__(message)
         self.code = code
         self.message = message
+        self.retry_after_s = retry_after_s
+        """When the client may usefully try again (HTTP `Retry-After`), if the service knows."""
         self.param = param
         """The request field at fault, when one is (OpenAI's `param`)."""
         self.http_status = http_status or code.http_status

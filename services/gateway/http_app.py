@@ -55,7 +55,8 @@ def build_app(core: GatewayCore, on_metrics=None, metrics_registry=None) -> Fast
 def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ServiceError)
     async def _service_error(request: Request, e: ServiceError):
-        return JSONResponse(service_error_body(e), status_code=e.http_status)
+        headers = {"Retry-After": str(max(1, round(e.retry_after_s)))} if e.retry_after_s is not None else None
+        return JSONResponse(service_error_body(e), status_code=e.http_status, headers=headers)
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, e: Exception):

@@ -22,7 +22,7 @@ from deepinfer_core.sampling_params import SamplingParams
 from deepinfer_core.transfer.messages import KVRegion, KVTarget
 from proto import common_pb2, worker_pb2, worker_pb2_grpc
 from services.common.deltas import SampleDelta
-from services.common.errors import ServiceError
+from services.common.errors import ErrorCode, ServiceError
 from services.common.grpc_util import channel, error_from_rpc
 from services.common.messages import (
     delta_from_proto,
@@ -64,6 +64,8 @@ class WorkerClient(Protocol):
     async def abort(self, request_id: str, prefill: bool) -> bool: ...
 
     async def connect_peer(self, agent_name: str, metadata: bytes, region: Optional[KVRegion] = None) -> None: ...
+
+    async def disconnect_peer(self, agent_name: str) -> None: ...
 
     async def stats(self, timeout: float) -> WorkerLoad: ...
 
@@ -156,6 +158,10 @@ class GrpcWorkerClient:
         request is to be read through its own call."""
         if not self.batched:
             return None
+        if request_id in self._inboxes:  # another request's: refused, its inbox left alone
+            raise ServiceError(
+                ErrorCode.INVALID_ARGUMENT, f"request id {request_id!r} is already in use on {self.name}"
+            )
         subscription = self._subscription
         if subscription is None or subscription.broken:
             subscription = await self._subscribe(min(timeout, _SUBSCRIBE_TIMEOUT_S))
@@ -230,6 +236,12 @@ class GrpcWorkerClient:
         except grpc.aio.AioRpcError as e:
             raise error_from_rpc(e, self.name) from None
 
+    async def disconnect_peer(self, agent_name: str) -> None:
+        try:
+            await self._prefill.DisconnectPeer(worker_pb2.DisconnectPeerRequest(agent_name=agent_name), timeout=10)
+        except grpc.aio.AioRpcError as e:
+            raise error_from_rpc(e, self.name) from None
+
     async def stats(self, timeout) -> WorkerLoad:
         try:
             return load_from_proto(await self._worker.Stats(common_pb2.StatusRequest(), timeout=timeout))
@@ -272,6 +284,9 @@ class LocalWorkerClient:
 
     async def connect_peer(self, agent_name, metadata, region=None) -> None:
         await self.core.connect_peer(agent_name, metadata, region)
+
+    async def disconnect_peer(self, agent_name: str) -> None:
+        await self.core.disconnect_peer(agent_name)
 
     async def stats(self, timeout) -> WorkerLoad:
         return self.core.stats()

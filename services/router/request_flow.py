@@ -12,6 +12,7 @@ sub-request on the stage that holds it.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Optional
@@ -23,7 +24,10 @@ from services.common.errors import ErrorCode, ServiceError
 from services.common.prefill_result import PrefillResult
 from services.common.workers import POOL_COLOCATED, POOL_DECODE, POOL_NAMES, POOL_PREFILL
 from services.metrics import definitions as m
+from services.router.migration import SampleProgress, StreamBroken
 from services.router.registry import WorkerHandle
+
+logger = logging.getLogger(__name__)
 
 _RETRIED_PREFILL = frozenset(
     {
@@ -50,7 +54,10 @@ class SampleFlow:
         self.arrival = time.monotonic()
         max_out = params.max_tokens or max(1, router.max_model_len - len(prompt))
         self.kv_tokens = len(prompt) + max_out
-        """What the sample may hold on a decode engine (prompt + every output token)."""
+        """What the sample may hold on a decode engine (prompt + every output token); a migrated
+        sample's continuation holds the same (longer prompt, fewer tokens to go)."""
+        self.progress = SampleProgress(prompt, params)
+        self.migrations = 0
 
     def remaining(self) -> float:
         left = self.deadline - time.monotonic()
@@ -58,39 +65,68 @@ class SampleFlow:
             raise ServiceError(ErrorCode.DEADLINE_EXCEEDED, f"request {self.request_id} ran past its deadline")
         return left
 
-    def deltas(self) -> AsyncIterator[SampleDelta]:
-        if self.router.disaggregated():
-            return self._disaggregated()
-        return self._colocated()
+    async def deltas(self) -> AsyncIterator[SampleDelta]:
+        """The sample's deltas; a decode stream that breaks mid-request moves the sample to a healthy
+        engine (up to `migration_limit` times), the client's stream going on where it was."""
+        run = self._disaggregated if self.router.disaggregated() else self._colocated
+        while True:
+            prompt, params = self.progress.continuation()
+            attempt = run(prompt, params)
+            try:
+                async for delta in attempt:
+                    yield self.progress.place(delta)
+                return
+            except StreamBroken as broken:
+                if self.migrations >= self.config.migration_limit:
+                    raise broken.as_error(self.migrations) from None
+                self.migrations += 1
+                m.MIGRATIONS.labels(broken.reason).inc()
+                logger.warning(
+                    "request %s sample %d: %s; migrating (%d) with %d token(s) so far",
+                    self.request_id,
+                    self.index,
+                    broken.message,
+                    self.migrations,
+                    self.progress.num_tokens,
+                )
+            finally:
+                await attempt.aclose()
+
+    def _sub_id(self, *parts: int) -> str:
+        """The sub-request's id on a worker; a migrated sample's attempts are told apart."""
+        tail = "".join(f"/{p}" for p in parts)
+        return f"{self.request_id}/{self.index}{tail}" + (f"~m{self.migrations}" if self.migrations else "")
 
     # ---- colocated -------------------------------------------------------------------------
-    async def _colocated(self) -> AsyncIterator[SampleDelta]:
-        sub_id = f"{self.request_id}/{self.index}"
+    async def _colocated(self, prompt: list[int], params: SamplingParams) -> AsyncIterator[SampleDelta]:
+        sub_id = self._sub_id()
         worker = await self._wait_for(
             POOL_COLOCATED, lambda ex: self.router.pick_decode(POOL_COLOCATED, self.kv_tokens, ex), set()
         )
         self._hold(worker, self.kv_tokens, "colocated")
         m.QUEUE_TIME.labels(self.router.model).observe(time.monotonic() - self.arrival)
-        finished = False
         try:
-            async for delta in worker.client.generate(sub_id, self.prompt, self.params, self.remaining()):
-                finished = delta.finished
+            relay = self._until_broken(worker, sub_id, worker.client.generate(sub_id, prompt, params, self.remaining()))
+        except BaseException:
+            self._release(worker, self.kv_tokens)
+            raise
+        try:
+            async for delta in relay:
                 yield delta
         finally:
+            await relay.aclose()
             self._release(worker, self.kv_tokens)
-            if not finished:
-                self.router.abort_later(worker, sub_id, prefill=False)
 
     # ---- disaggregated ---------------------------------------------------------------------
-    async def _disaggregated(self) -> AsyncIterator[SampleDelta]:
+    async def _disaggregated(self, prompt: list[int], params: SamplingParams) -> AsyncIterator[SampleDelta]:
         tried_pe: set[str] = set()
         suspect_ce: set[str] = set()
         last_error: Optional[ServiceError] = None
         for attempt in range(self.config.max_prefill_attempts):
-            sub_id = f"{self.request_id}/{self.index}/{attempt}"
-            ce, kv_target = await self._reserve(sub_id, suspect_ce)
+            sub_id = self._sub_id(attempt)
+            ce, kv_target = await self._reserve(sub_id, prompt, params, suspect_ce)
             try:
-                first = await self._prefill(sub_id, kv_target, tried_pe)
+                first = await self._prefill(sub_id, prompt, params, kv_target, tried_pe)
             except _RetryPrefill as retry:
                 last_error = retry.error
                 (suspect_ce if retry.decode_side else tried_pe).add(retry.decode_side or retry.worker_id)
@@ -102,8 +138,12 @@ class SampleFlow:
                 self._release(ce, self.kv_tokens)
                 self.router.abort_later(ce, sub_id, prefill=False)
                 raise
-            async for delta in self._decode(ce, sub_id, first.first):
-                yield delta
+            decode = self._decode(ce, sub_id, first.first)
+            try:
+                async for delta in decode:
+                    yield delta
+            finally:
+                await decode.aclose()  # its clean-up now, not whenever the generator is collected
             return
         raise ServiceError(
             ErrorCode.UNAVAILABLE,
@@ -111,7 +151,9 @@ class SampleFlow:
             f"{last_error.message if last_error else '?'}",
         )
 
-    async def _reserve(self, sub_id: str, avoid: set[str]) -> tuple[WorkerHandle, KVTarget]:
+    async def _reserve(
+        self, sub_id: str, prompt: list[int], params: SamplingParams, avoid: set[str]
+    ) -> tuple[WorkerHandle, KVTarget]:
         """A reservation on a CE with room; CEs in `avoid` (suspected by a failed hand-off) only
         when no other CE is ready."""
         refused: set[str] = set()
@@ -125,36 +167,46 @@ class SampleFlow:
             self._hold(ce, self.kv_tokens, None)
             timeout = min(self.config.reserve_timeout_s, self.remaining())
             try:
-                target = await ce.client.reserve(sub_id, self.prompt, self.params, self.config.pd.lease_s, timeout)
+                target = await ce.client.reserve(sub_id, prompt, params, self.config.pd.lease_s, timeout)
             except ServiceError as e:
                 self._release(ce, self.kv_tokens)
                 if e.code not in (ErrorCode.RESOURCE_EXHAUSTED, ErrorCode.UNAVAILABLE, ErrorCode.DEADLINE_EXCEEDED):
                     raise
+                if e.code == ErrorCode.UNAVAILABLE:
+                    self.router.suspect(ce)
                 refused.add(ce.worker_id)
                 continue
+            except BaseException:  # cancelled (the client left) while the CE was reserving
+                self._release(ce, self.kv_tokens)
+                self.router.abort_later(ce, sub_id, prefill=False)
+                raise
             m.ROUTER_DECISIONS.labels("decode", ce.worker_id).inc()
             self._ce_id = ce.worker_id
             return ce, target
 
-    async def _prefill(self, sub_id: str, kv_target: KVTarget, tried: set[str]) -> PrefillResult:
+    async def _prefill(
+        self, sub_id: str, prompt: list[int], params: SamplingParams, kv_target: KVTarget, tried: set[str]
+    ) -> PrefillResult:
         pe = await self._wait_for(
-            POOL_PREFILL, lambda ex: self.router.pick_prefill(len(self.prompt), ex), tried, strict=True
+            POOL_PREFILL, lambda ex: self.router.pick_prefill(len(prompt), ex), tried, strict=True
         )
-        self._hold(pe, len(self.prompt), "prefill")
+        self._hold(pe, len(prompt), "prefill")
         timeout = min(self.config.pd.prefill_timeout_s, self.remaining())
         try:
-            result = await pe.client.prefill(sub_id, self.prompt, self.params, kv_target, timeout)
+            result = await pe.client.prefill(sub_id, prompt, params, kv_target, timeout)
         except ServiceError as e:
             self.router.abort_later(pe, sub_id, prefill=True)
             if e.code not in _RETRIED_PREFILL:
                 raise
+            if e.code == ErrorCode.UNAVAILABLE:
+                self.router.suspect(pe)
             decode_side = self._ce_id if e.code in _BLAMES_THE_CE else ""
             raise _RetryPrefill(e, pe.worker_id, decode_side) from None
         except asyncio.CancelledError:
             self.router.abort_later(pe, sub_id, prefill=True)
             raise
         finally:
-            self._release(pe, len(self.prompt))
+            self._release(pe, len(prompt))
         m.QUEUE_TIME.labels(self.router.model).observe(result.queue_seconds + (self._dispatched - self.arrival))
         m.KV_TRANSFER_SECONDS.labels(pe.worker_id).observe(result.kv_seconds)
         m.KV_HANDOFF_EXPOSED_SECONDS.labels(pe.worker_id).observe(result.kv_exposed_seconds)
@@ -162,16 +214,43 @@ class SampleFlow:
         return result
 
     async def _decode(self, ce: WorkerHandle, sub_id: str, first: SampleDelta) -> AsyncIterator[SampleDelta]:
-        finished = False
+        relay = None
         try:
             yield first
-            async for delta in ce.client.stream(sub_id, self.remaining()):
-                finished = delta.finished
+            relay = self._until_broken(ce, sub_id, ce.client.stream(sub_id, self.remaining()))
+            async for delta in relay:
                 yield delta
         finally:
-            self._release(ce, self.kv_tokens)
-            if not finished:
+            if relay is not None:
+                await relay.aclose()  # its clean-up now, not whenever the generator is collected
+            else:  # left (or ran out of time) before the CE's stream was read
                 self.router.abort_later(ce, sub_id, prefill=False)
+            self._release(ce, self.kv_tokens)
+
+    async def _until_broken(self, worker: WorkerHandle, sub_id: str, stream) -> AsyncIterator[SampleDelta]:
+        """A streaming worker's deltas until the sample finishes; raises StreamBroken when the
+        worker fails it (after passing on the tokens it still sent). Leaving early aborts it there."""
+        finished = False
+        try:
+            async for delta in stream:
+                broken = StreamBroken.from_delta(delta)
+                if broken is not None:
+                    rest = self.progress.strip_failure(delta)
+                    if rest is not None:
+                        yield rest
+                    raise broken
+                finished = delta.finished
+                yield delta
+        except ServiceError as e:
+            broken = StreamBroken.from_error(e)
+            if broken is None:
+                raise
+            self.router.suspect(worker)
+            raise broken from None
+        finally:
+            await stream.aclose()
+            if not finished:
+                self.router.abort_later(worker, sub_id, prefill=False)
 
     # ---- picking and accounting --------------------------------------------------------------
     async def _wait_for(
@@ -180,6 +259,7 @@ class SampleFlow:
         """A worker from `pick`, waiting for one to join or free up until the admission deadline.
         `exclude` is retried after a pause unless `strict` (workers that already failed us)."""
         give_up = min(self.deadline, time.monotonic() + self.config.admission_timeout_s)
+        all_failed_since: Optional[float] = None
         while True:
             worker = pick(exclude)
             if worker is not None:
@@ -187,7 +267,13 @@ class SampleFlow:
                 return worker
             ready = {h.worker_id for h in self.router.registry.pool(pool)}
             if strict and ready and ready <= exclude:
-                raise ServiceError(ErrorCode.UNAVAILABLE, f"every {POOL_NAMES[pool]} worker failed this request")
+                # the ones that failed may be dead and about to leave (their replacements to join):
+                # wait a little for that before blaming the request
+                all_failed_since = all_failed_since or time.monotonic()
+                if time.monotonic() - all_failed_since > self.config.failed_pool_grace_s:
+                    raise ServiceError(ErrorCode.UNAVAILABLE, f"every {POOL_NAMES[pool]} worker failed this request")
+            else:
+                all_failed_since = None
             if time.monotonic() >= give_up:
                 raise self.router.no_capacity_error(pool)
             await self.router.registry.wait_changed(min(0.05, max(0.001, give_up - time.monotonic())))

@@ -86,6 +86,7 @@ class DecodeCore(WorkerCore):
         `lease_s`: None takes the engine's `PDConfig.lease_s`. `subscriber_id`: whose
         subscription carries the deltas; "" = the request's own `stream`."""
         self._check_role(EngineType.COMPLETION, "Reserve")
+        self._check_new(request_id)
         self.streams.open(request_id, self._outbox(subscriber_id), after_handoff=True)
         try:
             return await self.host.run(_reserve, request_id, params, prompt_token_ids, lease_s)
@@ -114,12 +115,21 @@ class DecodeCore(WorkerCore):
             yield delta
 
     async def _add(self, request_id, prompt_token_ids, params, outbox: Optional[Outbox]) -> None:
+        self._check_new(request_id)
         self.streams.open(request_id, outbox)
         try:
             await self.host.run(_add, request_id, params, prompt_token_ids)
         except EngineError as e:
             self.streams.close(request_id)
             raise engine_error(e) from None
+
+    def _check_new(self, request_id: str) -> None:
+        """Refuse a second request under a live one's id before touching anything of the first
+        (its stream would be replaced, then closed by the engine's refusal)."""
+        if request_id in self.streams:
+            raise ServiceError(
+                ErrorCode.INVALID_ARGUMENT, f"request id {request_id!r} is already in use on worker {self.worker_id}"
+            )
 
     def _check_role(self, engine_type: EngineType, rpc: str) -> None:
         self.check_accepting()

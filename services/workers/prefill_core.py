@@ -43,6 +43,10 @@ class PrefillCore(WorkerCore):
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, kv_target: KVTarget
     ) -> PrefillResult:
         self.check_accepting()
+        if request_id in self.pending:  # refused before the first one's record is touched
+            raise ServiceError(
+                ErrorCode.INVALID_ARGUMENT, f"request id {request_id!r} is already in use on worker {self.worker_id}"
+            )
         pending = _Pending(self.loop.create_future(), time.monotonic())
         self.pending[request_id] = pending
         try:
@@ -63,6 +67,11 @@ class PrefillCore(WorkerCore):
             await self.host.run(lambda engine: engine.connect_peer(agent_name, metadata, region))
         except EngineError as e:  # a CE whose KV layout differs from ours
             raise engine_error(e) from None
+
+    async def disconnect_peer(self, agent_name: str) -> None:
+        """Forget a CE that left (its agent goes once no hand-off targets it)."""
+        if self.host.alive:
+            await self.host.run(lambda engine: engine.disconnect_peer(agent_name))
 
     def _forget(self, request_id: str) -> bool:
         pending = self.pending.pop(request_id, None)

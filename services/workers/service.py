@@ -57,6 +57,11 @@ class PrefillService(worker_pb2_grpc.PrefillServicer):
         await self.core.connect_peer(request.agent_name, request.agent_metadata, region_from_proto(request, "region"))
         return worker_pb2.ConnectPeerReply()
 
+    @handles_errors
+    async def DisconnectPeer(self, request, context):
+        await self.core.disconnect_peer(request.agent_name)
+        return worker_pb2.DisconnectPeerReply()
+
 
 class DecodeService(worker_pb2_grpc.DecodeServicer):
     """CE (Reserve / Stream / Abort) or NORMAL engine (Submit, Generate / Abort); either one's

@@ -16,14 +16,12 @@ import logging
 from collections.abc import AsyncIterator
 from typing import Optional, Protocol
 
-import grpc
-
 from deepinfer_core.sampling_params import SamplingParams
 from deepinfer_core.transfer.messages import KVRegion, KVTarget
 from proto import common_pb2, worker_pb2, worker_pb2_grpc
 from services.common.deltas import SampleDelta
 from services.common.errors import ErrorCode, ServiceError
-from services.common.grpc_util import channel, error_from_rpc
+from services.common.grpc_util import CALL_ERRORS, channel, error_from_rpc
 from services.common.messages import (
     delta_from_proto,
     load_from_proto,
@@ -105,7 +103,7 @@ class GrpcWorkerClient:
         )
         try:
             reply = await self._decode.Reserve(req, timeout=timeout)
-        except grpc.aio.AioRpcError as e:
+        except CALL_ERRORS as e:
             self._drop(request_id)
             raise error_from_rpc(e, self.name) from None
         except BaseException:
@@ -122,14 +120,16 @@ class GrpcWorkerClient:
         )
         try:
             reply = await self._prefill.Prefill(req, timeout=timeout)
-        except grpc.aio.AioRpcError as e:
+        except CALL_ERRORS as e:
             raise error_from_rpc(e, self.name) from None
         return prefill_result_from_proto(reply)
 
     def stream(self, request_id, timeout) -> AsyncIterator[SampleDelta]:
         inbox = self._inboxes.get(request_id)
         if inbox is None:  # reserved without a subscription
-            return self._read(self._decode.Stream(worker_pb2.StreamRequest(request_id=request_id), timeout=timeout))
+            return self._read(
+                lambda: self._decode.Stream(worker_pb2.StreamRequest(request_id=request_id), timeout=timeout)
+            )
         return self._relay(request_id, inbox, asyncio.get_running_loop().time() + timeout)
 
     async def generate(self, request_id, prompt, params, timeout) -> AsyncIterator[SampleDelta]:
@@ -137,13 +137,13 @@ class GrpcWorkerClient:
         inbox = await self._open_inbox(request_id, timeout)
         req = worker_pb2.GenerateWork(request_id=request_id, prompt_token_ids=prompt, params=params_to_proto(params))
         if inbox is None:
-            async for msg in self._read(self._decode.Generate(req, timeout=timeout)):
+            async for msg in self._read(lambda: self._decode.Generate(req, timeout=timeout)):
                 yield msg
             return
         req.subscriber_id = inbox.subscription.subscriber_id
         try:
             await self._decode.Submit(req, timeout=max(0.0, deadline - asyncio.get_running_loop().time()))
-        except grpc.aio.AioRpcError as e:
+        except CALL_ERRORS as e:
             self._drop(request_id)
             raise error_from_rpc(e, self.name) from None
         except BaseException:
@@ -209,14 +209,19 @@ class GrpcWorkerClient:
         if inbox is None or self._inboxes.get(request_id) is inbox:
             self._inboxes.pop(request_id, None)
 
-    async def _read(self, call) -> AsyncIterator[SampleDelta]:
+    async def _read(self, make_call) -> AsyncIterator[SampleDelta]:
+        """The deltas of the streaming call `make_call()` opens (inside the error mapping: a closed
+        channel refuses to open one)."""
+        call = None
         try:
+            call = make_call()
             async for msg in call:
                 yield delta_from_proto(msg)
-        except grpc.aio.AioRpcError as e:
+        except CALL_ERRORS as e:
             raise error_from_rpc(e, self.name) from None
         finally:
-            call.cancel()
+            if call is not None:
+                call.cancel()
 
     async def abort(self, request_id, prefill: bool) -> bool:
         stub = self._prefill if prefill else self._decode
@@ -224,7 +229,7 @@ class GrpcWorkerClient:
             self._drop(request_id)
         try:
             return (await stub.Abort(worker_pb2.AbortRequest(request_id=request_id), timeout=5)).found
-        except grpc.aio.AioRpcError:
+        except CALL_ERRORS:
             return False  # a dead worker holds nothing
 
     async def connect_peer(self, agent_name, metadata, region=None) -> None:
@@ -233,25 +238,25 @@ class GrpcWorkerClient:
         )
         try:
             await self._prefill.ConnectPeer(req, timeout=30)
-        except grpc.aio.AioRpcError as e:
+        except CALL_ERRORS as e:
             raise error_from_rpc(e, self.name) from None
 
     async def disconnect_peer(self, agent_name: str) -> None:
         try:
             await self._prefill.DisconnectPeer(worker_pb2.DisconnectPeerRequest(agent_name=agent_name), timeout=10)
-        except grpc.aio.AioRpcError as e:
+        except CALL_ERRORS as e:
             raise error_from_rpc(e, self.name) from None
 
     async def stats(self, timeout) -> WorkerLoad:
         try:
             return load_from_proto(await self._worker.Stats(common_pb2.StatusRequest(), timeout=timeout))
-        except grpc.aio.AioRpcError as e:
+        except CALL_ERRORS as e:
             raise error_from_rpc(e, self.name) from None
 
     async def drain(self, timeout) -> int:
         try:
             return (await self._worker.Drain(worker_pb2.DrainRequest(), timeout=timeout)).requests
-        except grpc.aio.AioRpcError as e:
+        except CALL_ERRORS as e:
             raise error_from_rpc(e, self.name) from None
 
     async def close(self) -> None:

@@ -21,8 +21,10 @@ from deepinfer_core.sampling_params import SamplingParams
 from services.common.deltas import SampleAssembler, SampleDelta
 from services.common.errors import ErrorCode, ServiceError
 
-BROKEN_CODES = frozenset({ErrorCode.UNAVAILABLE, ErrorCode.INTERNAL})
-"""Stream errors that mean the decode engine (or the way to it) failed, not the request."""
+BROKEN_CODES = frozenset({ErrorCode.UNAVAILABLE, ErrorCode.INTERNAL, ErrorCode.CANCELLED})
+"""Stream errors that mean the decode engine (or the way to it) failed, not the request. CANCELLED
+too: the router's own cancellation (the client left) never comes as an error, so a cancelled call
+is one whose channel closed under it (the worker left the registry) or one the worker ended."""
 BROKEN_FINISHES = frozenset({"error", "abort", "preempted"})
 """Finish reasons a decode engine ends a stream with when it, not the request, failed (the router's
 own aborts are never read back: it stops reading first)."""

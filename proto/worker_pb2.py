@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from proto import common_pb2 as proto_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x12proto/worker.proto\x12\x0c\x64\x65\x65pinfer.v1\x1a\x12proto/common.proto\"\x9d\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12,\n\x06params\x18\x03 \x01(\x0b\x32\x1c.deepinfer.v1.SamplingParams\x12)\n\tkv_target\x18\x05 \x01(\x0b\x32\x16.deepinfer.v1.KVTargetJ\x04\x08\x04\x10\x05\"\x91\x01\n\x0cPrefillReply\x12(\n\x05\x66irst\x18\x01 \x01(\x0b\x32\x19.deepinfer.v1.SampleDelta\x12\x10\n\x08kv_bytes\x18\x02 \x01(\x04\x12\x12\n\nkv_seconds\x18\x03 \x01(\x01\x12\x15\n\rqueue_seconds\x18\x04 \x01(\x01\x12\x1a\n\x12kv_exposed_seconds\x18\x05 \x01(\x01\"\x94\x01\n\x0eReserveRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12,\n\x06params\x18\x03 \x01(\x0b\x32\x1c.deepinfer.v1.SamplingParams\x12\x0f\n\x07lease_s\x18\x04 \x01(\x01\x12\x15\n\rsubscriber_id\x18\x05 \x01(\t\"?\n\x0cReserveReply\x12)\n\tkv_target\x18\x02 \x01(\x0b\x32\x16.deepinfer.v1.KVTargetJ\x04\x08\x01\x10\x02\"#\n\rStreamRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x81\x01\n\x0cGenerateWork\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12,\n\x06params\x18\x03 \x01(\x0b\x32\x1c.deepinfer.v1.SamplingParams\x12\x15\n\rsubscriber_id\x18\x04 \x01(\t\"\r\n\x0bSubmitReply\")\n\x10SubscribeRequest\x12\x15\n\rsubscriber_id\x18\x01 \x01(\t\"7\n\nDeltaBatch\x12)\n\x05items\x18\x01 \x03(\x0b\x32\x1a.deepinfer.v1.RequestDelta\"L\n\x0cRequestDelta\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12(\n\x05\x64\x65lta\x18\x02 \x01(\x0b\x32\x19.deepinfer.v1.SampleDelta\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1b\n\nAbortReply\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"h\n\x12\x43onnectPeerRequest\x12\x12\n\nagent_name\x18\x01 \x01(\t\x12\x16\n\x0e\x61gent_metadata\x18\x02 \x01(\x0c\x12&\n\x06region\x18\x03 \x01(\x0b\x32\x16.deepinfer.v1.KVRegion\"\x12\n\x10\x43onnectPeerReply\"+\n\x15\x44isconnectPeerRequest\x12\x12\n\nagent_name\x18\x01 \x01(\t\"\x15\n\x13\x44isconnectPeerReply\"3\n\rEncodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06images\x18\x02 \x03(\x0c\"<\n\x0b\x45ncodeReply\x12\x19\n\x11\x65mbeddings_handle\x18\x01 \x01(\x0c\x12\x12\n\nnum_tokens\x18\x02 \x01(\r\"\x0f\n\rHealthRequest\")\n\x0bHealthReply\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\x0e\n\x06\x64\x65tail\x18\x02 \x01(\t\"\x0e\n\x0c\x44rainRequest\"\x1e\n\nDrainReply\x12\x10\n\x08requests\x18\x01 \x01(\r2\xb8\x02\n\x07Prefill\x12\x43\n\x07Prefill\x12\x1c.deepinfer.v1.PrefillRequest\x1a\x1a.deepinfer.v1.PrefillReply\x12=\n\x05\x41\x62ort\x12\x1a.deepinfer.v1.AbortRequest\x1a\x18.deepinfer.v1.AbortReply\x12O\n\x0b\x43onnectPeer\x12 .deepinfer.v1.ConnectPeerRequest\x1a\x1e.deepinfer.v1.ConnectPeerReply\x12X\n\x0e\x44isconnectPeer\x12#.deepinfer.v1.DisconnectPeerRequest\x1a!.deepinfer.v1.DisconnectPeerReply2\x9f\x03\n\x06\x44\x65\x63ode\x12\x43\n\x07Reserve\x12\x1c.deepinfer.v1.ReserveRequest\x1a\x1a.deepinfer.v1.ReserveReply\x12\x42\n\x06Stream\x12\x1b.deepinfer.v1.StreamRequest\x1a\x19.deepinfer.v1.SampleDelta0\x01\x12=\n\x05\x41\x62ort\x12\x1a.deepinfer.v1.AbortRequest\x1a\x18.deepinfer.v1.AbortReply\x12\x43\n\x08Generate\x12\x1a.deepinfer.v1.GenerateWork\x1a\x19.deepinfer.v1.SampleDelta0\x01\x12G\n\tSubscribe\x12\x1e.deepinfer.v1.SubscribeRequest\x1a\x18.deepinfer.v1.DeltaBatch0\x01\x12?\n\x06Submit\x12\x1a.deepinfer.v1.GenerateWork\x1a\x19.deepinfer.v1.SubmitReply2K\n\x07\x45ncoder\x12@\n\x06\x45ncode\x12\x1b.deepinfer.v1.EncodeRequest\x1a\x19.deepinfer.v1.EncodeReply2\xc9\x01\n\x06Worker\x12>\n\x05Stats\x12\x1b.deepinfer.v1.StatusRequest\x1a\x18.deepinfer.v1.WorkerLoad\x12@\n\x06Health\x12\x1b.deepinfer.v1.HealthRequest\x1a\x19.deepinfer.v1.HealthReply\x12=\n\x05\x44rain\x12\x1a.deepinfer.v1.DrainRequest\x1a\x18.deepinfer.v1.DrainReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x12proto/worker.proto\x12\x0c\x64\x65\x65pinfer.v1\x1a\x12proto/common.proto\"\x9d\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12,\n\x06params\x18\x03 \x01(\x0b\x32\x1c.deepinfer.v1.SamplingParams\x12)\n\tkv_target\x18\x05 \x01(\x0b\x32\x16.deepinfer.v1.KVTargetJ\x04\x08\x04\x10\x05\"\x91\x01\n\x0cPrefillReply\x12(\n\x05\x66irst\x18\x01 \x01(\x0b\x32\x19.deepinfer.v1.SampleDelta\x12\x10\n\x08kv_bytes\x18\x02 \x01(\x04\x12\x12\n\nkv_seconds\x18\x03 \x01(\x01\x12\x15\n\rqueue_seconds\x18\x04 \x01(\x01\x12\x1a\n\x12kv_exposed_seconds\x18\x05 \x01(\x01\"\x94\x01\n\x0eReserveRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12,\n\x06params\x18\x03 \x01(\x0b\x32\x1c.deepinfer.v1.SamplingParams\x12\x0f\n\x07lease_s\x18\x04 \x01(\x01\x12\x15\n\rsubscriber_id\x18\x05 \x01(\t\"?\n\x0cReserveReply\x12)\n\tkv_target\x18\x02 \x01(\x0b\x32\x16.deepinfer.v1.KVTargetJ\x04\x08\x01\x10\x02\"#\n\rStreamRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x81\x01\n\x0cGenerateWork\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12,\n\x06params\x18\x03 \x01(\x0b\x32\x1c.deepinfer.v1.SamplingParams\x12\x15\n\rsubscriber_id\x18\x04 \x01(\t\"\r\n\x0bSubmitReply\")\n\x10SubscribeRequest\x12\x15\n\rsubscriber_id\x18\x01 \x01(\t\"7\n\nDeltaBatch\x12)\n\x05items\x18\x01 \x03(\x0b\x32\x1a.deepinfer.v1.RequestDelta\"L\n\x0cRequestDelta\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12(\n\x05\x64\x65lta\x18\x02 \x01(\x0b\x32\x19.deepinfer.v1.SampleDelta\"2\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06unused\x18\x02 \x01(\x08\"\x1b\n\nAbortReply\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"h\n\x12\x43onnectPeerRequest\x12\x12\n\nagent_name\x18\x01 \x01(\t\x12\x16\n\x0e\x61gent_metadata\x18\x02 \x01(\x0c\x12&\n\x06region\x18\x03 \x01(\x0b\x32\x16.deepinfer.v1.KVRegion\"\x12\n\x10\x43onnectPeerReply\"+\n\x15\x44isconnectPeerRequest\x12\x12\n\nagent_name\x18\x01 \x01(\t\"\x15\n\x13\x44isconnectPeerReply\"3\n\rEncodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06images\x18\x02 \x03(\x0c\"<\n\x0b\x45ncodeReply\x12\x19\n\x11\x65mbeddings_handle\x18\x01 \x01(\x0c\x12\x12\n\nnum_tokens\x18\x02 \x01(\r\"\x0f\n\rHealthRequest\")\n\x0bHealthReply\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\x0e\n\x06\x64\x65tail\x18\x02 \x01(\t\"\x0e\n\x0c\x44rainRequest\"\x1e\n\nDrainReply\x12\x10\n\x08requests\x18\x01 \x01(\r2\xb8\x02\n\x07Prefill\x12\x43\n\x07Prefill\x12\x1c.deepinfer.v1.PrefillRequest\x1a\x1a.deepinfer.v1.PrefillReply\x12=\n\x05\x41\x62ort\x12\x1a.deepinfer.v1.AbortRequest\x1a\x18.deepinfer.v1.AbortReply\x12O\n\x0b\x43onnectPeer\x12 .deepinfer.v1.ConnectPeerRequest\x1a\x1e.deepinfer.v1.ConnectPeerReply\x12X\n\x0e\x44isconnectPeer\x12#.deepinfer.v1.DisconnectPeerRequest\x1a!.deepinfer.v1.DisconnectPeerReply2\x9f\x03\n\x06\x44\x65\x63ode\x12\x43\n\x07Reserve\x12\x1c.deepinfer.v1.ReserveRequest\x1a\x1a.deepinfer.v1.ReserveReply\x12\x42\n\x06Stream\x12\x1b.deepinfer.v1.StreamRequest\x1a\x19.deepinfer.v1.SampleDelta0\x01\x12=\n\x05\x41\x62ort\x12\x1a.deepinfer.v1.AbortRequest\x1a\x18.deepinfer.v1.AbortReply\x12\x43\n\x08Generate\x12\x1a.deepinfer.v1.GenerateWork\x1a\x19.deepinfer.v1.SampleDelta0\x01\x12G\n\tSubscribe\x12\x1e.deepinfer.v1.SubscribeRequest\x1a\x18.deepinfer.v1.DeltaBatch0\x01\x12?\n\x06Submit\x12\x1a.deepinfer.v1.GenerateWork\x1a\x19.deepinfer.v1.SubmitReply2K\n\x07\x45ncoder\x12@\n\x06\x45ncode\x12\x1b.deepinfer.v1.EncodeRequest\x1a\x19.deepinfer.v1.EncodeReply2\xc9\x01\n\x06Worker\x12>\n\x05Stats\x12\x1b.deepinfer.v1.StatusRequest\x1a\x18.deepinfer.v1.WorkerLoad\x12@\n\x06Health\x12\x1b.deepinfer.v1.HealthRequest\x1a\x19.deepinfer.v1.HealthReply\x12=\n\x05\x44rain\x12\x1a.deepinfer.v1.DrainRequest\x1a\x18.deepinfer.v1.DrainReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -53,35 +53,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_REQUESTDELTA']._serialized_start=864
   _globals['_REQUESTDELTA']._serialized_end=940
   _globals['_ABORTREQUEST']._serialized_start=942
-  _globals['_ABORTREQUEST']._serialized_end=976
-  _globals['_ABORTREPLY']._serialized_start=978
-  _globals['_ABORTREPLY']._serialized_end=1005
-  _globals['_CONNECTPEERREQUEST']._serialized_start=1007
-  _globals['_CONNECTPEERREQUEST']._serialized_end=1111
-  _globals['_CONNECTPEERREPLY']._serialized_start=1113
-  _globals['_CONNECTPEERREPLY']._serialized_end=1131
-  _globals['_DISCONNECTPEERREQUEST']._serialized_start=1133
-  _globals['_DISCONNECTPEERREQUEST']._serialized_end=1176
-  _globals['_DISCONNECTPEERREPLY']._serialized_start=1178
-  _globals['_DISCONNECTPEERREPLY']._serialized_end=1199
-  _globals['_ENCODEREQUEST']._serialized_start=1201
-  _globals['_ENCODEREQUEST']._serialized_end=1252
-  _globals['_ENCODEREPLY']._serialized_start=1254
-  _globals['_ENCODEREPLY']._serialized_end=1314
-  _globals['_HEALTHREQUEST']._serialized_start=1316
-  _globals['_HEALTHREQUEST']._serialized_end=1331
-  _globals['_HEALTHREPLY']._serialized_start=1333
-  _globals['_HEALTHREPLY']._serialized_end=1374
-  _globals['_DRAINREQUEST']._serialized_start=1376
-  _globals['_DRAINREQUEST']._serialized_end=1390
-  _globals['_DRAINREPLY']._serialized_start=1392
-  _globals['_DRAINREPLY']._serialized_end=1422
-  _globals['_PREFILL']._serialized_start=1425
-  _globals['_PREFILL']._serialized_end=1737
-  _globals['_DECODE']._serialized_start=1740
-  _globals['_DECODE']._serialized_end=2155
-  _globals['_ENCODER']._serialized_start=2157
-  _globals['_ENCODER']._serialized_end=2232
-  _globals['_WORKER']._serialized_start=2235
-  _globals['_WORKER']._serialized_end=2436
+  _globals['_ABORTREQUEST']._serialized_end=992
+  _globals['_ABORTREPLY']._serialized_start=994
+  _globals['_ABORTREPLY']._serialized_end=1021
+  _globals['_CONNECTPEERREQUEST']._serialized_start=1023
+  _globals['_CONNECTPEERREQUEST']._serialized_end=1127
+  _globals['_CONNECTPEERREPLY']._serialized_start=1129
+  _globals['_CONNECTPEERREPLY']._serialized_end=1147
+  _globals['_DISCONNECTPEERREQUEST']._serialized_start=1149
+  _globals['_DISCONNECTPEERREQUEST']._serialized_end=1192
+  _globals['_DISCONNECTPEERREPLY']._serialized_start=1194
+  _globals['_DISCONNECTPEERREPLY']._serialized_end=1215
+  _globals['_ENCODEREQUEST']._serialized_start=1217
+  _globals['_ENCODEREQUEST']._serialized_end=1268
+  _globals['_ENCODEREPLY']._serialized_start=1270
+  _globals['_ENCODEREPLY']._serialized_end=1330
+  _globals['_HEALTHREQUEST']._serialized_start=1332
+  _globals['_HEALTHREQUEST']._serialized_end=1347
+  _globals['_HEALTHREPLY']._serialized_start=1349
+  _globals['_HEALTHREPLY']._serialized_end=1390
+  _globals['_DRAINREQUEST']._serialized_start=1392
+  _globals['_DRAINREQUEST']._serialized_end=1406
+  _globals['_DRAINREPLY']._serialized_start=1408
+  _globals['_DRAINREPLY']._serialized_end=1438
+  _globals['_PREFILL']._serialized_start=1441
+  _globals['_PREFILL']._serialized_end=1753
+  _globals['_DECODE']._serialized_start=1756
+  _globals['_DECODE']._serialized_end=2171
+  _globals['_ENCODER']._serialized_start=2173
+  _globals['_ENCODER']._serialized_end=2248
+  _globals['_WORKER']._serialized_start=2251
+  _globals['_WORKER']._serialized_end=2452
 # @@protoc_insertion_point(module_scope)

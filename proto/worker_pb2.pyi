@@ -96,10 +96,12 @@ class RequestDelta(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., delta: _Optional[_Union[_common_pb2.SampleDelta, _Mapping]] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
-    __slots__ = ("request_id",)
+    __slots__ = ("request_id", "unused")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    UNUSED_FIELD_NUMBER: _ClassVar[int]
     request_id: str
-    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
+    unused: bool
+    def __init__(self, request_id: _Optional[str] = ..., unused: _Optional[bool] = ...) -> None: ...
 
 class AbortReply(_message.Message):
     __slots__ = ("found",)

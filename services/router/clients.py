@@ -59,7 +59,10 @@ class WorkerClient(Protocol):
         self, request_id: str, prompt: list[int], params: SamplingParams, timeout: float
     ) -> AsyncIterator[SampleDelta]: ...
 
-    async def abort(self, request_id: str, prefill: bool) -> bool: ...
+    async def abort(self, request_id: str, prefill: bool, unused: bool = False) -> Optional[bool]:
+        """End a sub-request; `unused`: a CE reservation whose target no PE was given (freed at once).
+        Whether the worker held it; None when the worker could not be reached."""
+        ...
 
     async def connect_peer(self, agent_name: str, metadata: bytes, region: Optional[KVRegion] = None) -> None: ...
 
@@ -223,14 +226,14 @@ class GrpcWorkerClient:
             if call is not None:
                 call.cancel()
 
-    async def abort(self, request_id, prefill: bool) -> bool:
+    async def abort(self, request_id, prefill: bool, unused: bool = False) -> Optional[bool]:
         stub = self._prefill if prefill else self._decode
         if not prefill:
             self._drop(request_id)
         try:
-            return (await stub.Abort(worker_pb2.AbortRequest(request_id=request_id), timeout=5)).found
+            return (await stub.Abort(worker_pb2.AbortRequest(request_id=request_id, unused=unused), timeout=5)).found
         except CALL_ERRORS:
-            return False  # a dead worker holds nothing
+            return None  # unreachable: dead (it holds nothing) or cut off (it may still act)
 
     async def connect_peer(self, agent_name, metadata, region=None) -> None:
         req = worker_pb2.ConnectPeerRequest(
@@ -284,8 +287,8 @@ class LocalWorkerClient:
     def generate(self, request_id, prompt, params, timeout) -> AsyncIterator[SampleDelta]:
         return self.core.generate(request_id, prompt, params)
 
-    async def abort(self, request_id, prefill: bool) -> bool:
-        return await self.core.abort(request_id)
+    async def abort(self, request_id, prefill: bool, unused: bool = False) -> Optional[bool]:
+        return await (self.core.abort(request_id, unused) if unused else self.core.abort(request_id))
 
     async def connect_peer(self, agent_name, metadata, region=None) -> None:
         await self.core.connect_peer(agent_name, metadata, region)

@@ -38,6 +38,7 @@ class RouterCore:
         """What the controller reports about the pools (an engine waiting for a node), by topic;
         added to the readiness detail."""
         self._background: set[asyncio.Task] = set()
+        """Calls nobody waits for (aborts, probes); a task removes itself when done."""
         self._active: set[str] = set()
         """Ids of the requests streaming now: a second request under one of them gets a unique one."""
         self._renames = itertools.count(1)
@@ -119,14 +120,32 @@ class RouterCore:
         has = {h.info.pool for h in self.registry.workers.values()}
         return (POOL_PREFILL in has and POOL_DECODE in has) or POOL_COLOCATED not in has
 
-    def abort_later(self, worker: WorkerHandle, sub_id: str, prefill: bool) -> None:
-        """Abort a sub-request without waiting (the caller may be cancelled itself)."""
-        self._spawn(worker.client.abort(sub_id, prefill))
+    def abort_later(self, worker: WorkerHandle, sub_id: str, prefill: bool, unused: bool = False) -> None:
+        """Abort a sub-request without waiting (the caller may be cancelled itself); `unused`: a CE
+        reservation whose KV target no PE was given, so its blocks need no quarantine."""
+        self._spawn(
+            worker.client.abort(sub_id, prefill, unused=True) if unused else worker.client.abort(sub_id, prefill)
+        )
+
+    def release_handed_out(self, pe: WorkerHandle, ce: WorkerHandle, sub_id: str) -> None:
+        """A sub-request whose KV target a PE was given ends early: abort it on the PE first, then
+        on the CE. A PE that answered the abort will never write for it (it waits out writes in
+        flight and refuses the id from then on), so the CE frees the blocks at once; a PE that could
+        not be reached may still write, so the CE fences them (quarantine) until the lease is over."""
+        self._spawn(self._release_handed_out(pe, ce, sub_id))
+
+    async def _release_handed_out(self, pe: WorkerHandle, ce: WorkerHandle, sub_id: str) -> None:
+        reached = await pe.client.abort(sub_id, True)
+        if reached is None:
+            await ce.client.abort(sub_id, False)
+        else:
+            await ce.client.abort(sub_id, False, unused=True)
 
     def _spawn(self, coro) -> None:
         task = asyncio.ensure_future(coro)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
+        task.add_done_callback(_done_in_background)
 
     # ---- policies ----------------------------------------------------------------------------
     def pick_prefill(self, prompt_len: int, exclude: set[str]) -> Optional[WorkerHandle]:
@@ -176,3 +195,9 @@ class RouterCore:
         if missing:
             return False, f"waiting for a ready worker in pool(s): {', '.join(missing)}{notes}"
         return True, f"ok{notes}"
+
+
+def _done_in_background(task: asyncio.Task) -> None:
+    """A background call's failure is logged, not left unretrieved (its worker may be gone)."""
+    if not task.cancelled() and task.exception() is not None:
+        logger.warning("a background call failed: %r", task.exception())

@@ -11,7 +11,6 @@ sub-request on the stage that holds it.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -40,6 +39,8 @@ _RETRIED_PREFILL = frozenset(
 """Prefill failures that may succeed on another PE (or CE); any other code ends the request."""
 _BLAMES_THE_CE = (ErrorCode.INTERNAL, ErrorCode.FAILED_PRECONDITION)
 """The PE answered but the hand-off failed (transfer error, stale lease): the CE is suspect."""
+_UNCERTAIN = (ErrorCode.DEADLINE_EXCEEDED, ErrorCode.UNAVAILABLE, ErrorCode.INTERNAL, ErrorCode.CANCELLED)
+"""A call that failed this way may have done its work on the worker: undo it (a refusal did nothing)."""
 
 
 class SampleFlow:
@@ -58,6 +59,11 @@ class SampleFlow:
         sample's continuation holds the same (longer prompt, fewer tokens to go)."""
         self.progress = SampleProgress(prompt, params)
         self.migrations = 0
+        self.suspects: set[str] = set()
+        """Streaming workers whose stream of this sample broke: a migration goes elsewhere if it can."""
+        self._handed_out = False
+        """The current attempt's KV target has gone to a PE (`_pe`): it may write into the reservation."""
+        self._pe: Optional[WorkerHandle] = None
 
     def remaining(self) -> float:
         left = self.deadline - time.monotonic()
@@ -100,9 +106,12 @@ class SampleFlow:
     # ---- colocated -------------------------------------------------------------------------
     async def _colocated(self, prompt: list[int], params: SamplingParams) -> AsyncIterator[SampleDelta]:
         sub_id = self._sub_id()
-        worker = await self._wait_for(
-            POOL_COLOCATED, lambda ex: self.router.pick_decode(POOL_COLOCATED, self.kv_tokens, ex), set()
-        )
+
+        def pick(exclude: set[str]) -> Optional[WorkerHandle]:
+            worker = self.router.pick_decode(POOL_COLOCATED, self.kv_tokens, exclude | self.suspects)
+            return worker or self.router.pick_decode(POOL_COLOCATED, self.kv_tokens, exclude)
+
+        worker = await self._wait_for(POOL_COLOCATED, pick, set())
         self._hold(worker, self.kv_tokens, "colocated")
         m.QUEUE_TIME.labels(self.router.model).observe(time.monotonic() - self.arrival)
         try:
@@ -120,10 +129,11 @@ class SampleFlow:
     # ---- disaggregated ---------------------------------------------------------------------
     async def _disaggregated(self, prompt: list[int], params: SamplingParams) -> AsyncIterator[SampleDelta]:
         tried_pe: set[str] = set()
-        suspect_ce: set[str] = set()
+        suspect_ce = self.suspects  # a CE whose stream broke, or whose hand-off failed
         last_error: Optional[ServiceError] = None
         for attempt in range(self.config.max_prefill_attempts):
             sub_id = self._sub_id(attempt)
+            self._handed_out = False
             ce, kv_target = await self._reserve(sub_id, prompt, params, suspect_ce)
             try:
                 first = await self._prefill(sub_id, prompt, params, kv_target, tried_pe)
@@ -131,12 +141,12 @@ class SampleFlow:
                 last_error = retry.error
                 (suspect_ce if retry.decode_side else tried_pe).add(retry.decode_side or retry.worker_id)
                 self._release(ce, self.kv_tokens)
-                self.router.abort_later(ce, sub_id, prefill=False)
+                self._end_reservation(ce, sub_id)
                 m.ROUTER_RETRIES.labels(retry.error.code.name).inc()
                 continue
             except BaseException:
                 self._release(ce, self.kv_tokens)
-                self.router.abort_later(ce, sub_id, prefill=False)
+                self._end_reservation(ce, sub_id)
                 raise
             decode = self._decode(ce, sub_id, first.first)
             try:
@@ -151,6 +161,14 @@ class SampleFlow:
             f"{last_error.message if last_error else '?'}",
         )
 
+    def _end_reservation(self, ce: WorkerHandle, sub_id: str) -> None:
+        """The reservation will not be used: give it back without a PE's write ever landing in blocks
+        handed to another request (fenced on the CE unless the PE is known to be done with it)."""
+        if self._handed_out and self._pe is not None:
+            self.router.release_handed_out(self._pe, ce, sub_id)
+        else:
+            self.router.abort_later(ce, sub_id, prefill=False, unused=True)
+
     async def _reserve(
         self, sub_id: str, prompt: list[int], params: SamplingParams, avoid: set[str]
     ) -> tuple[WorkerHandle, KVTarget]:
@@ -164,12 +182,14 @@ class SampleFlow:
 
         while True:
             ce = await self._wait_for(POOL_DECODE, pick, refused)
-            self._hold(ce, self.kv_tokens, None)
             timeout = min(self.config.reserve_timeout_s, self.remaining())
+            self._hold(ce, self.kv_tokens, None)
             try:
                 target = await ce.client.reserve(sub_id, prompt, params, self.config.pd.lease_s, timeout)
             except ServiceError as e:
                 self._release(ce, self.kv_tokens)
+                if e.code in _UNCERTAIN:  # it may have reserved before the call failed
+                    self.router.abort_later(ce, sub_id, prefill=False, unused=True)
                 if e.code not in (ErrorCode.RESOURCE_EXHAUSTED, ErrorCode.UNAVAILABLE, ErrorCode.DEADLINE_EXCEEDED):
                     raise
                 if e.code == ErrorCode.UNAVAILABLE:
@@ -178,7 +198,7 @@ class SampleFlow:
                 continue
             except BaseException:  # cancelled (the client left) while the CE was reserving
                 self._release(ce, self.kv_tokens)
-                self.router.abort_later(ce, sub_id, prefill=False)
+                self.router.abort_later(ce, sub_id, prefill=False, unused=True)
                 raise
             m.ROUTER_DECISIONS.labels("decode", ce.worker_id).inc()
             self._ce_id = ce.worker_id
@@ -190,21 +210,18 @@ class SampleFlow:
         pe = await self._wait_for(
             POOL_PREFILL, lambda ex: self.router.pick_prefill(len(prompt), ex), tried, strict=True
         )
-        self._hold(pe, len(prompt), "prefill")
         timeout = min(self.config.pd.prefill_timeout_s, self.remaining())
+        self._hold(pe, len(prompt), "prefill")
+        self._handed_out, self._pe = True, pe  # from here the PE may write into the reservation
         try:
             result = await pe.client.prefill(sub_id, prompt, params, kv_target, timeout)
-        except ServiceError as e:
-            self.router.abort_later(pe, sub_id, prefill=True)
+        except ServiceError as e:  # `_end_reservation` aborts it on the PE (then the CE)
             if e.code not in _RETRIED_PREFILL:
                 raise
             if e.code == ErrorCode.UNAVAILABLE:
                 self.router.suspect(pe)
             decode_side = self._ce_id if e.code in _BLAMES_THE_CE else ""
             raise _RetryPrefill(e, pe.worker_id, decode_side) from None
-        except asyncio.CancelledError:
-            self.router.abort_later(pe, sub_id, prefill=True)
-            raise
         finally:
             self._release(pe, len(prompt))
         m.QUEUE_TIME.labels(self.router.model).observe(result.queue_seconds + (self._dispatched - self.arrival))
@@ -235,6 +252,7 @@ class SampleFlow:
             async for delta in stream:
                 broken = StreamBroken.from_delta(delta)
                 if broken is not None:
+                    self.suspects.add(worker.worker_id)
                     rest = self.progress.strip_failure(delta)
                     if rest is not None:
                         yield rest
@@ -246,6 +264,7 @@ class SampleFlow:
             if broken is None:
                 raise
             self.router.suspect(worker)
+            self.suspects.add(worker.worker_id)
             raise broken from None
         finally:
             await stream.aclose()

@@ -154,6 +154,15 @@ class DecodeCore(WorkerCore):
             if not finished and request_id in self.streams:
                 await self.abort(request_id)
 
+    async def abort(self, request_id: str, unused: bool = False) -> bool:
+        """End a request; `unused`: a CE reservation no PE was given, whose blocks are free at once."""
+        if not unused or self.engine.engine_type != EngineType.COMPLETION:
+            return await super().abort(request_id)
+        found = self._forget(request_id)
+        if self.host.alive:
+            await self.host.run(_release_unused, request_id)
+        return found
+
     # ---- the engine's side ------------------------------------------------------------------------
     def _forget(self, request_id: str) -> bool:
         return self.streams.close(request_id)
@@ -169,6 +178,10 @@ class DecodeCore(WorkerCore):
 
 def _reserve(engine, request_id, params, prompt_token_ids, lease_s):
     return engine.reserve(request_id, params, prompt_token_ids, lease_s=lease_s)
+
+
+def _release_unused(engine, request_id):
+    engine.release_unused(request_id)
 
 
 def _add(engine, request_id, params, prompt_token_ids):

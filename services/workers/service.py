@@ -107,7 +107,7 @@ class DecodeService(worker_pb2_grpc.DecodeServicer):
 
     @handles_errors
     async def Abort(self, request, context):
-        return worker_pb2.AbortReply(found=await self.core.abort(request.request_id))
+        return worker_pb2.AbortReply(found=await self.core.abort(request.request_id, request.unused))
 
 
 class WorkerService(worker_pb2_grpc.WorkerServicer):

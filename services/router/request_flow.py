@@ -75,6 +75,7 @@ class SampleFlow:
         """The sample's deltas; a decode stream that breaks mid-request moves the sample to a healthy
         engine (up to `migration_limit` times), the client's stream going on where it was."""
         run = self._disaggregated if self.router.disaggregated() else self._colocated
+        last: Optional[StreamBroken] = None
         while True:
             prompt, params = self.progress.continuation()
             attempt = run(prompt, params)
@@ -82,9 +83,16 @@ class SampleFlow:
                 async for delta in attempt:
                     yield self.progress.place(delta)
                 return
+            except ServiceError as e:
+                if last is None or e.code != ErrorCode.INVALID_ARGUMENT:
+                    raise
+                # the continuation, not the request, was refused (its output so far holds a token the
+                # engine takes only with an input of its own, such as an image placeholder)
+                raise ServiceError(ErrorCode.UNAVAILABLE, f"{last.message}; it could not move: {e.message}") from None
             except StreamBroken as broken:
                 if self.migrations >= self.config.migration_limit:
                     raise broken.as_error(self.migrations) from None
+                last = broken
                 self.migrations += 1
                 m.MIGRATIONS.labels(broken.reason).inc()
                 logger.warning(

@@ -3,7 +3,8 @@
 The router has seen every token the client has (`SampleProgress`), so a healthy PE/CE pair (or
 NORMAL engine) is asked for the rest: prompt + tokens so far as the new prompt, `max_tokens` and
 `min_tokens` lowered by what was generated. Its deltas are shifted past what the client has, so the
-stream goes on without a repeated or a dropped token.
+stream goes on without a repeated or a dropped token (from the last point where the text so far is
+the whole decoding of the tokens so far: see `continuation`).
 
 What holds: greedy decoding continues token-identical to an undisturbed run (the next token is a
 function of the tokens so far). Seeded sampling stays reproducible for a given migration point but
@@ -65,6 +66,9 @@ class SampleProgress:
         self._base_tokens = 0
         self._base_chars = 0
         """Where the current attempt's output starts in the sample's."""
+        self._clean = (0, 0)
+        """(tokens, characters) after the last one-token delta whose text ended on a whole character:
+        there the text so far is the decoding of the tokens so far, nothing held back."""
 
     @property
     def num_tokens(self) -> int:
@@ -77,6 +81,8 @@ class SampleProgress:
                 d, token_offset=d.token_offset + self._base_tokens, text_offset=d.text_offset + self._base_chars
             )
         self._seen.apply(d)
+        if len(d.token_ids) == 1 and d.text and not d.text.endswith("\ufffd"):
+            self._clean = (len(self._seen.tokens), len(self._seen.text))
         return d
 
     def strip_failure(self, d: SampleDelta) -> Optional[SampleDelta]:
@@ -87,9 +93,14 @@ class SampleProgress:
 
     def continuation(self) -> tuple[list[int], SamplingParams]:
         """The prompt and parameters that produce the rest of the sample; later deltas are placed
-        after what has been seen."""
-        n = self.num_tokens
-        self._base_tokens, self._base_chars = n, len(self._seen.text)
+        after what has been seen.
+
+        It starts from the last clean point, not the last token: a token whose bytes do not end a
+        character (its text held back, or part of a run of invalid bytes) would decode differently
+        as the end of a prompt than inside the output. Tokens past that point are made again
+        (under greedy decoding the same ones; the client is sent none twice, only what is new)."""
+        n, chars = self._clean
+        self._base_tokens, self._base_chars = n, chars
         if n == 0:
             return self.prompt, self.params
         p = self.params.clone()
@@ -97,4 +108,4 @@ class SampleProgress:
             p.max_tokens = max(1, p.max_tokens - n)
         p.min_tokens = max(0, p.min_tokens - n)
         p.prompt_logprobs = None  # reported once, by the first attempt
-        return self.prompt + self._seen.tokens, p
+        return self.prompt + self._seen.tokens[:n], p

@@ -145,3 +145,25 @@ def test_a_late_kv_write_into_an_aborted_reservation_never_reaches_another_reque
     tokens, view = _run(engines, Faults(), body)
     assert tokens == want[1].token_ids
     _assert_at_rest(view)
+
+
+@pytest.mark.parametrize("after", [20, 22])
+def test_a_break_inside_a_run_of_partial_characters_continues_with_the_same_tokens_and_text(engines, after):
+    """The tiny model writes runs of bytes that are not whole characters here ("story 2"): a migration
+    that started from the last token would decode them differently as the end of its prompt; it starts
+    from the last whole character instead, and the client is sent no token twice."""
+    from deepinfer_core.builtin import TINY_MODEL_DIR
+    from deepinfer_core.tokenizer import load_tokenizer
+
+    prompt = load_tokenizer(TINY_MODEL_DIR).encode("story 2: once upon a time")
+    params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    want = LLM(**ARGS).generate([{"prompt_token_ids": prompt}], params)[0].outputs[0]
+    assert "\ufffd" in want.text  # the case: partial characters in the output
+    faults = Faults(break_after={"ce-0": after})
+
+    async def body(router, cores):
+        return await _view(router, "bytes", prompt, params)
+
+    got, view = _run(engines, faults, body)
+    assert faults.broken == 1 and got == (want.token_ids, want.text, "length")
+    _assert_at_rest(view)

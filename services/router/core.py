@@ -135,7 +135,10 @@ class RouterCore:
         self._spawn(self._release_handed_out(pe, ce, sub_id))
 
     async def _release_handed_out(self, pe: WorkerHandle, ce: WorkerHandle, sub_id: str) -> None:
-        reached = await pe.client.abort(sub_id, True)
+        try:
+            reached = await pe.client.abort(sub_id, True)
+        except (asyncio.CancelledError, Exception):  # its channel closed under the call (the PE left)
+            reached = None
         if reached is None:
             await ce.client.abort(sub_id, False)
         else:

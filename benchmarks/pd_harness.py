@@ -103,6 +103,10 @@ class _Server:
     def abort(self, request_id):
         self.engine.abort_request(request_id)
 
+    def release_unused(self, request_id):
+        """CE: end a reservation no PE was given (its blocks are free at once)."""
+        self.engine.release_unused(request_id)
+
     def collect(self):
         outputs, self.outbox = self.outbox, []
         return outputs, self.engine.pop_handoff_results()

@@ -104,10 +104,12 @@ class RequestDelta(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., delta: _Optional[_Union[_common_pb2.SampleDelta, _Mapping]] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
-    __slots__ = ("request_id",)
+    __slots__ = ("request_id", "unused")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    UNUSED_FIELD_NUMBER: _ClassVar[int]
     request_id: str
-    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
+    unused: bool
+    def __init__(self, request_id: _Optional[str] = ..., unused: _Optional[bool] = ...) -> None: ...
 
 class AbortReply(_message.Message):
     __slots__ = ("found",)
@@ -126,6 +128,16 @@ class ConnectPeerRequest(_message.Message):
     def __init__(self, agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., region: _Optional[_Union[_common_pb2.KVRegion, _Mapping]] = ...) -> None: ...
 
 class ConnectPeerReply(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class DisconnectPeerRequest(_message.Message):
+    __slots__ = ("agent_name",)
+    AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
+    agent_name: str
+    def __init__(self, agent_name: _Optional[str] = ...) -> None: ...
+
+class DisconnectPeerReply(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 

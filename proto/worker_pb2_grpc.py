@@ -51,6 +51,11 @@ class PrefillStub:
                 request_serializer=proto_dot_worker__pb2.ConnectPeerRequest.SerializeToString,
                 response_deserializer=proto_dot_worker__pb2.ConnectPeerReply.FromString,
                 _registered_method=True)
+        self.DisconnectPeer = channel.unary_unary(
+                '/deepinfer.v1.Prefill/DisconnectPeer',
+                request_serializer=proto_dot_worker__pb2.DisconnectPeerRequest.SerializeToString,
+                response_deserializer=proto_dot_worker__pb2.DisconnectPeerReply.FromString,
+                _registered_method=True)
 
 
 class PrefillServicer:
@@ -81,6 +86,14 @@ class PrefillServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DisconnectPeer(self, request, context):
+        """Forget a CE that left (died or scaled in): its transfer agent and descriptors are released once
+        no hand-off of this engine still targets it. A CE started again is a new agent, connected anew.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PrefillServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -98,6 +111,11 @@ def add_PrefillServicer_to_server(servicer, server):
                     servicer.ConnectPeer,
                     request_deserializer=proto_dot_worker__pb2.ConnectPeerRequest.FromString,
                     response_serializer=proto_dot_worker__pb2.ConnectPeerReply.SerializeToString,
+            ),
+            'DisconnectPeer': grpc.unary_unary_rpc_method_handler(
+                    servicer.DisconnectPeer,
+                    request_deserializer=proto_dot_worker__pb2.DisconnectPeerRequest.FromString,
+                    response_serializer=proto_dot_worker__pb2.DisconnectPeerReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -182,6 +200,33 @@ class Prefill:
             '/deepinfer.v1.Prefill/ConnectPeer',
             proto_dot_worker__pb2.ConnectPeerRequest.SerializeToString,
             proto_dot_worker__pb2.ConnectPeerReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DisconnectPeer(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/deepinfer.v1.Prefill/DisconnectPeer',
+            proto_dot_worker__pb2.DisconnectPeerRequest.SerializeToString,
+            proto_dot_worker__pb2.DisconnectPeerReply.FromString,
             options,
             channel_credentials,
             insecure,

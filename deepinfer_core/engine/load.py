@@ -30,6 +30,8 @@ class EngineLoad:
     handoffs: int = 0
     """CE: hand-offs received."""
     computed_prompt_tokens: int = 0
+    transfer_peers: int = 0
+    """PE: decode engines' transfer agents it is connected to (a CE that left is let go)."""
     """PE: prompt tokens its prefill steps computed (every other prompt token came from a cache tier)."""
     # The KV store's counters (`kvstore.stats.KVStoreStats`; all 0 without a store). Tokens are prompt
     # tokens a PE looked up past its own prefix cache; bytes per tier, L2 the host pool, L3 the files.

@@ -249,10 +249,22 @@ class CompletionEngine(LLMEngine):
         state = self.requests.pop(request_id)
         return state.to_output()
 
+    def release_unused(self, request_id: str) -> None:
+        """Abort a reservation whose target no PE was ever given: no write can come, so its blocks
+        are free at once (`abort_request` quarantines them, since a PE may be writing)."""
+        reservation = self.reservations.pop(request_id, None)
+        if reservation is not None:
+            self.scheduler.free_seq(reservation.seq)
+        self.abort_request(request_id)
+
     def abort_request(self, request_id: str) -> None:
         reservation = self.reservations.pop(request_id, None)
-        if reservation is not None:  # a PE may be writing: quarantine like an expired lease
-            self.quarantine[request_id] = Reservation(reservation.seq, time.monotonic() + self.lease_grace_s)
+        if reservation is not None:
+            # A PE given the target may post writes until the lease ends (it checks the target's
+            # expiry before each post), and a posted write lands within the grace: the blocks are
+            # fenced until then, unless the PE's notice (done, failed, aborted) comes first.
+            fence = max(reservation.deadline, time.monotonic()) + self.lease_grace_s
+            self.quarantine[request_id] = Reservation(reservation.seq, fence)
         super().abort_request(request_id)
 
     # ---- hooks -------------------------------------------------------------------------------

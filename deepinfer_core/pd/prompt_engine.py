@@ -86,6 +86,7 @@ class PromptEngine(LLMEngine):
         self.agent.prepare_writes()
         self.set_layer_groups(envs.DEEPINFER_PD_LAYER_GROUPS or (4 if self.cache.kv_buffer.is_cuda else 1))
         self.targets: dict[str, KVTarget] = {}
+        self._departed: set[str] = set()  # CEs that left, released once no hand-off targets them
         self._handoff: list[Sequence] = []
         self._handoff_rows: list[int] = []
         self.sends_last_hidden = has_mtp_layer(self.config.model.hf_config, self.config.model.builtin)
@@ -124,6 +125,19 @@ class PromptEngine(LLMEngine):
                 f"this prefill engine has [{self.layout.describe()}]"
             )
         self.agent.add_peer(name, metadata, region)
+
+    def disconnect_peer(self, name: str) -> None:
+        """Forget a CE that left (died, scaled in): its agent and descriptor lists are released
+        once no hand-off of ours targets it (a write still in flight finishes or fails first). A CE
+        started again has an agent of a new name: it is connected as a new peer, nothing stale."""
+        self._departed.add(name)
+        self._release_departed()
+
+    def _release_departed(self) -> None:
+        busy = {t.engine_id for t in self.targets.values()}
+        for name in [n for n in self._departed if n not in busy]:
+            self._departed.discard(name)
+            self.agent.remove_peer(name)
 
     def add_prefill(
         self,
@@ -374,6 +388,8 @@ class PromptEngine(LLMEngine):
         self.agent.progress()
         if self.kv_store is not None:
             self.kv_store.poll()
+        if self._departed:
+            self._release_departed()
         return []
 
     def pop_handoff_results(self) -> list[HandoffResult]:
@@ -385,6 +401,7 @@ class PromptEngine(LLMEngine):
         load.requests += len(self._inflight) + len(self._done)  # handed off, not yet reported
         load.kv_transfer_bytes = self.agent.bytes_sent
         load.computed_prompt_tokens = self.num_computed_prompt_tokens
+        load.transfer_peers = len(self.agent.peers)
         loading = self.scheduler.loading
         load.waiting_requests += len(loading)
         load.queued_prompt_tokens += sum(s.num_uncomputed_tokens for s in loading)

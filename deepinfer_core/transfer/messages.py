@@ -114,7 +114,11 @@ class HandoffNotice:
         obj = asdict(self)
         if self.first_top_logprobs is not None:
             obj["first_top_logprobs"] = {str(k): v for k, v in self.first_top_logprobs.items()}
-        for name in ("num_cached_tokens", "image_spans", "last_hidden"):  # left out when unset: the notice reads as before
+        for name in (
+            "num_cached_tokens",
+            "image_spans",
+            "last_hidden",
+        ):  # left out when unset: the notice reads as before
             if not obj[name]:
                 del obj[name]
         return _dump("handoff", obj)

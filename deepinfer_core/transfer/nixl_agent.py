@@ -73,6 +73,7 @@ class NixlKVAgent:
         self, name_prefix: str, kv_buffer: torch.Tensor, layout: KVLayout, backend: str = "UCX", sends: bool = False
     ):
         """`sends`: this agent writes KV to peers (a PE), which decides its progress thread."""
+        _keep_one_libibverbs()
         from nixl._api import nixl_agent, nixl_agent_config  # lazy: engines without P/D never import nixl
 
         self.name = f"{name_prefix}-{uuid.uuid4().hex[:8]}"
@@ -116,6 +117,11 @@ class NixlKVAgent:
             self.layout.fingerprint,
             self.layout.describe(),
         )
+
+    @property
+    def peers(self) -> frozenset[str]:
+        """Names of the connected peers."""
+        return frozenset(self._peers)
 
     @property
     def num_remote_lists(self) -> int:
@@ -340,6 +346,16 @@ class NixlKVAgent:
         if self._reg is not None:
             self._agent.deregister_memory(self._reg)
             self._reg = None
+
+
+def _keep_one_libibverbs() -> None:
+    """Keep UCX's EFA module out (unless the operator chose UCX's modules): the NIXL wheel bundles
+    libibverbs, but its UCX `ib_efa` module links the system's libefa and libibverbs. Where the
+    RDMA packages are installed (libibverbs1, ibverbs-providers: every InfiniBand/RoCE node) that
+    module loads, two copies of libibverbs share the process, and it dies with SIGSEGV at exit. UCX
+    reads this when its library loads, at the first agent's backend; EFA hosts use NIXL's libfabric
+    backend, not this module."""
+    os.environ.setdefault("UCX_MODULES", "^efa")
 
 
 def _wants_progress_thread(mem_type: str, sends: bool) -> bool:

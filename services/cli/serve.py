@@ -6,7 +6,7 @@ import argparse
 import asyncio
 
 from services.cli import kv_store_args, security_args
-from services.common.limits import RequestLimits
+from services.common.limits import DEFAULT_MIGRATION_LIMIT, RequestLimits
 
 DEFAULT_LOCAL_PREFILL_TOKENS = 64
 """Short enough that one decode engine's prefill step of it costs about a decode step's time on a
@@ -106,6 +106,13 @@ def add_parser(sub) -> None:
         help="address the router and the workers serve each other on; 'auto' = this node's IP (several machines)",
     )
     p.add_argument(
+        "--migration-limit",
+        type=int,
+        default=DEFAULT_MIGRATION_LIMIT,
+        help="times a request may move to a healthy prefill/decode pair when its decode engine dies mid-stream "
+        "(0 = end such streams with an error; default: %(default)s)",
+    )
+    p.add_argument(
         "--local-prefill-tokens",
         type=int,
         default=DEFAULT_LOCAL_PREFILL_TOKENS,
@@ -189,6 +196,8 @@ def config_from_args(args: argparse.Namespace):
         import torch
 
         gpus = 1.0 if torch.cuda.is_available() and args.device != "cpu" else 0.0
+    if args.migration_limit < 0:
+        raise ValueError("--migration-limit must be >= 0")
     if args.api_workers < 1:
         raise ValueError("--api-workers must be at least 1")
     for name in ("prefill", "decode"):
@@ -218,6 +227,7 @@ def config_from_args(args: argparse.Namespace):
         autoscale=args.autoscale,
         pools_config=args.pools_config,
         cluster_host=args.cluster_host,
+        migration_limit=args.migration_limit,
         log_level=args.log_level.upper(),
         media=_media_limits(args),
     )

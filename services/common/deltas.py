@@ -197,7 +197,7 @@ class SampleAssembler:
             error=self.error,
             num_cached_tokens=self.num_cached_tokens,
         )
-        self.sent_tokens = len(self.tokens)
+        self.sent_tokens = max(self.sent_tokens, len(self.tokens))  # a migration may make sent tokens again
         self.sent_chars = max(self.sent_chars, limit)
         self.done = finished
         return delta

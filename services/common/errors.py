@@ -76,7 +76,7 @@ class ServiceError(Exception):
         message: str,
         param: str | None = None,
         http_status: int | None = None,
-        retry_after_s: int | None = None,
+        retry_after_s: float | None = None,
     ):
         super().__init__(message)
         self.code = code

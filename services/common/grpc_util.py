@@ -42,8 +42,15 @@ def new_event_loop() -> asyncio.AbstractEventLoop:
         return asyncio.new_event_loop()
 
 
-def error_from_rpc(e: grpc.aio.AioRpcError, what: str) -> ServiceError:
+CALL_ERRORS = (grpc.aio.AioRpcError, grpc.aio.UsageError)
+"""What a call on a channel may raise: a failed call, or a channel already closed (a worker that
+left the registry while a request still held it)."""
+
+
+def error_from_rpc(e: grpc.aio.AioRpcError | grpc.aio.UsageError, what: str) -> ServiceError:
     """A failed call to another service, as a ServiceError naming `what` was called."""
+    if isinstance(e, grpc.aio.UsageError):
+        return ServiceError(ErrorCode.UNAVAILABLE, f"{what} is unreachable: its connection is closed ({e})")
     code = e.code()
     detail = e.details() or code.name
     if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN):

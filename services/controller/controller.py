@@ -25,6 +25,7 @@ from typing import Any, Optional
 from deepinfer_core.multimodal.encoder_config import EncoderConfig
 from services.common.errors import ErrorCode, ServiceError
 from services.common.workers import POOL_NAMES
+from services.controller.healing import PoolHealer
 from services.controller.placement import PoolPlacement, unplaceable_reason
 from services.router.core import RouterCore
 from services.workers.spec import EngineSettings, WorkerSpec
@@ -80,6 +81,8 @@ class ClusterController:
         """Called with (pool, target) whenever a target is set (the planner restarts its cool-downs)."""
         self._ids = itertools.count()
         self._locks: dict[int, asyncio.Lock] = defaultdict(asyncio.Lock)
+        self.healer = PoolHealer(self)
+        """Replaces engines whose actors die (`healing.py`)."""
 
     async def scale(self, targets: dict[int, Optional[int]], timeout_s: float = 600.0) -> None:
         """Set replica counts (None = unchanged); returns when new workers are ready and removed
@@ -96,10 +99,11 @@ class ClusterController:
 
     async def reconcile(self, timeout_s: float = 600.0) -> None:
         """Bring every pool back to its target: engines the router dropped (dead) are replaced."""
-        for worker_id in [w for w, a in self.actors.items() if self._lost(w, a)]:
-            logger.warning("%s stopped answering the router: replacing it", worker_id)
-            self._forget(worker_id)
         await self._reconcile(list(self.targets), timeout_s)
+
+    async def reconcile_pools(self, pools: list[int], timeout_s: float = 600.0) -> None:
+        """Bring `pools` back to their targets."""
+        await self._reconcile(pools, timeout_s)
 
     async def _reconcile(self, pools: list[int], timeout_s: float) -> None:
         per_pool = await asyncio.gather(*(self._reconcile_pool(p, timeout_s) for p in pools))
@@ -109,12 +113,23 @@ class ClusterController:
 
     async def _reconcile_pool(self, pool: int, timeout_s: float) -> list[BaseException]:
         async with self._locks[pool]:  # the target is read under the lock: the latest one wins
+            self._forget_lost(pool)
             mine = sorted((w for w, a in self.actors.items() if a.pool == pool), key=_seq)
             target = self.targets[pool]
             jobs = [self._start(pool) for _ in range(target - len(mine))]
             jobs += [self._drain(worker_id, timeout_s) for worker_id in mine[target:]]
             results = await asyncio.gather(*jobs, return_exceptions=True)
         return [r for r in results if isinstance(r, BaseException)]
+
+    def _forget_lost(self, pool: int) -> None:
+        """Engines of `pool` the router dropped (they stopped answering) are replaced, not counted:
+        a scale after a death does what it says."""
+        from services.metrics.definitions import WORKER_RESTARTS
+
+        for worker_id in [w for w, a in self.actors.items() if a.pool == pool and self._lost(w, a)]:
+            logger.warning("%s stopped answering the router: replacing it", worker_id)
+            self.forget(worker_id)
+            WORKER_RESTARTS.labels(POOL_NAMES[pool]).inc()
 
     def needs_repair(self) -> bool:
         """An engine died, or a pool has fewer engines than its target (a start failed)."""
@@ -140,7 +155,7 @@ class ClusterController:
         options = placement.actor_options(self.spec.gpus_per_worker)
         handle = (
             ray.remote(NodeWorkerActor)
-            .options(name=worker_id, max_concurrency=4, **options)
+            .options(name=worker_id, max_concurrency=5, **options)  # one call is the death watch
             .remote(self._worker_spec(worker_id, pool))
         )
         self.actors[worker_id] = _Actor(pool, handle)
@@ -155,6 +170,7 @@ class ClusterController:
         finally:
             self._set_waiting(worker_id, None)
         self.actors[worker_id].registered = True
+        self.healer.watch(worker_id, handle)
         logger.info("started %s (%s)", worker_id, options)
         return worker_id
 
@@ -176,9 +192,17 @@ class ClusterController:
 
     async def _placed(self, worker_id: str, pool: int, placement: PoolPlacement, handle, deadline: float) -> None:
         """Until Ray has placed the actor on a node; past the grace period, say why it waits."""
+        ready = asyncio.ensure_future(_await(handle.__ray_ready__.remote()))
+        try:
+            await self._wait_placed(worker_id, pool, placement, ready, deadline)
+        finally:
+            if not ready.done():  # given up, or cancelled (shutdown): not left to fail unheard
+                ready.cancel()
+        ready.result()
+
+    async def _wait_placed(self, worker_id, pool, placement, ready: asyncio.Future, deadline: float) -> None:
         import ray
 
-        ready = asyncio.ensure_future(_await(handle.__ray_ready__.remote()))
         began = time.monotonic()
         while not (await asyncio.wait({ready}, timeout=1.0))[0]:
             waited = time.monotonic() - began
@@ -186,7 +210,6 @@ class ClusterController:
                 continue
             reason = unplaceable_reason(pool, placement, waited, await asyncio.to_thread(ray.nodes))
             if time.monotonic() > deadline:
-                ready.cancel()
                 why = reason or f"it had not started after {waited:.0f}s"
                 raise ServiceError(ErrorCode.DEADLINE_EXCEEDED, f"{worker_id} was never placed: {why}")
             if reason is None:  # placed, still starting: nothing to report
@@ -194,7 +217,6 @@ class ClusterController:
             if worker_id not in self.waiting:
                 logger.warning("%s: %s", worker_id, reason)
             self._set_waiting(worker_id, (pool, reason))
-        ready.result()
 
     def _set_waiting(self, worker_id: str, entry: Optional[tuple[int, str]]) -> None:
         """Record (or clear) why an engine waits for a node; the router's readiness detail and the
@@ -239,16 +261,18 @@ class ClusterController:
             await asyncio.wait_for(actor.handle.stop.remote(), 30)
         except Exception as e:  # already gone
             logger.warning("stopping %s: %s", worker_id, e)
-        self._forget(worker_id)
+        self.forget(worker_id)
         logger.info("drained and stopped %s", worker_id)
 
     def _lost(self, worker_id: str, actor: _Actor) -> bool:
         """A registered engine the router no longer lists, and not one being drained: it died."""
         return actor.registered and not actor.draining and worker_id not in self.router.registry.workers
 
-    def _forget(self, worker_id: str) -> None:
+    def forget(self, worker_id: str) -> None:
+        """Stop tracking (and kill) an engine's actor."""
         import ray
 
+        self.healer.unwatch(worker_id)
         actor = self.actors.pop(worker_id, None)
         if actor is not None:
             try:
@@ -257,8 +281,9 @@ class ClusterController:
                 pass
 
     async def shutdown(self) -> None:
+        await self.healer.stop()  # the engines stopped below are not deaths to heal
         for worker_id in list(self.actors):
-            self._forget(worker_id)
+            self.forget(worker_id)
 
 
 async def _await(ref):

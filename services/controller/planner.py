@@ -137,11 +137,10 @@ class Planner:
                     await task
 
 
-def start_planner(controller: ClusterController, pools_config: Optional[str], autoscale: bool) -> Optional[Planner]:
+def start_planner(controller: ClusterController, pools_config: Optional[str], autoscale: bool) -> Planner:
     """The head's planner: the pools file's placements go to the controller before any engine
-    starts; the loop runs when there is a file or autoscaling is asked for (None: neither)."""
-    if pools_config is None and not autoscale:
-        return None
+    starts. It always runs: without a pools file or autoscaling it only replaces engines the router
+    dropped (they stopped answering; engines that die outright the controller replaces at once)."""
     config = load_pools_config(pools_config) if pools_config else PoolsConfig()
     if autoscale and not config.rules:
         raise ValueError("--autoscale needs the pools' bounds: give --pools-config with an autoscaling block per pool")

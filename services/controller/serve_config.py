@@ -13,7 +13,7 @@ from typing import Optional
 
 from deepinfer_core.multimodal.encoder_config import EncoderConfig
 from services.common.auth import new_token
-from services.common.limits import RequestLimits
+from services.common.limits import DEFAULT_MIGRATION_LIMIT, RequestLimits
 from services.common.workers import POOL_COLOCATED, POOL_DECODE, POOL_ENCODER, POOL_PREFILL
 from services.controller.controller import PoolSpec
 from services.gateway.core import GatewayConfig
@@ -72,6 +72,8 @@ class HeadConfig:
     """The pools file (`pools_config.py`): each pool's Ray resource, GPUs per engine, policy bounds."""
     cluster_host: str = "127.0.0.1"
     """Where the router and the workers serve each other; "auto" = this node's IP."""
+    migration_limit: int = DEFAULT_MIGRATION_LIMIT
+    """Times a request may move to a healthy prefill/decode pair when its decode engine dies mid-stream."""
     log_level: str = "WARNING"
     encoder_config: EncoderConfig = EncoderConfig()
     """Each vision encoder's batching, pool, leases and cache."""
@@ -116,7 +118,9 @@ class HeadConfig:
         return int(load_hf_config(self.model_path).get("max_position_embeddings", 2048))
 
     def router_config(self) -> RouterConfig:
-        return RouterConfig(limits=self.limits, pd=self.engine_args.pd, pools=self.pools)
+        return RouterConfig(
+            limits=self.limits, pd=self.engine_args.pd, pools=self.pools, migration_limit=self.migration_limit
+        )
 
     def gateway_config(self) -> GatewayConfig:
         return GatewayConfig(

@@ -57,7 +57,7 @@ def build_app(core: GatewayCore, on_metrics=None, metrics_registry=None) -> Fast
 def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ServiceError)
     async def _service_error(request: Request, e: ServiceError):
-        headers = {"Retry-After": str(e.retry_after_s)} if e.retry_after_s is not None else None
+        headers = {"Retry-After": str(max(1, round(e.retry_after_s)))} if e.retry_after_s is not None else None
         return JSONResponse(service_error_body(e), status_code=e.http_status, headers=headers)
 
     @app.exception_handler(StarletteHTTPException)

@@ -114,3 +114,12 @@ API_PROCESS_REQUESTS = Counter(
     "Requests each API process (0 = the head; `--api-workers`) admitted, or refused at the concurrency limit.",
     ["process", "outcome"],
 )
+
+WORKER_RESTARTS = Counter(
+    "deepinfer:worker_restarts_total", "Engines the controller started to replace one that died.", ["pool"]
+)
+MIGRATIONS = Counter(
+    "deepinfer:migrations_total",
+    "Requests moved to a healthy prefill/decode pair mid-stream (prompt + tokens so far re-prefilled), by reason.",
+    ["reason"],
+)

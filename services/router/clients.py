@@ -24,8 +24,8 @@ from deepinfer_core.transfer.messages import KVRegion, KVTarget
 from proto import common_pb2, worker_pb2, worker_pb2_grpc
 from services.common import auth
 from services.common.deltas import SampleDelta
-from services.common.errors import ServiceError
-from services.common.grpc_util import channel, error_from_rpc
+from services.common.errors import ErrorCode, ServiceError
+from services.common.grpc_util import CALL_ERRORS, channel, error_from_rpc
 from services.common.messages import (
     delta_from_proto,
     handle_from_proto,
@@ -73,7 +73,10 @@ class WorkerClient(Protocol):
         self, request_id: str, prompt: list[int], params: SamplingParams, timeout: float, images: Sequence[bytes] = ()
     ) -> AsyncIterator[SampleDelta]: ...
 
-    async def abort(self, request_id: str, prefill: bool) -> bool: ...
+    async def abort(self, request_id: str, prefill: bool, unused: bool = False) -> Optional[bool]:
+        """End a sub-request; `unused`: a CE reservation whose target no PE was given (freed at once).
+        Whether the worker held it; None when the worker could not be reached."""
+        ...
 
     async def encode(self, request_id: str, images: Sequence[bytes], timeout: float) -> list[EmbeddingHandle]:
         """A vision encoder: a lease on each image's embeddings, in order."""
@@ -84,6 +87,8 @@ class WorkerClient(Protocol):
         ...
 
     async def connect_peer(self, agent_name: str, metadata: bytes, region: Optional[KVRegion] = None) -> None: ...
+
+    async def disconnect_peer(self, agent_name: str) -> None: ...
 
     async def stats(self, timeout: float) -> WorkerLoad: ...
 
@@ -125,7 +130,7 @@ class GrpcWorkerClient:
         )
         try:
             reply = await self._decode.Reserve(req, timeout=timeout)
-        except grpc.aio.AioRpcError as e:
+        except CALL_ERRORS as e:
             self._drop(request_id)
             raise error_from_rpc(e, self.name) from None
         except BaseException:
@@ -144,14 +149,16 @@ class GrpcWorkerClient:
         )
         try:
             reply = await self._prefill.Prefill(req, timeout=timeout)
-        except grpc.aio.AioRpcError as e:
+        except CALL_ERRORS as e:
             raise error_from_rpc(e, self.name) from None
         return prefill_result_from_proto(reply)
 
     def stream(self, request_id, timeout) -> AsyncIterator[SampleDelta]:
         inbox = self._inboxes.get(request_id)
         if inbox is None:  # reserved without a subscription
-            return self._read(self._decode.Stream(worker_pb2.StreamRequest(request_id=request_id), timeout=timeout))
+            return self._read(
+                lambda: self._decode.Stream(worker_pb2.StreamRequest(request_id=request_id), timeout=timeout)
+            )
         return self._relay(request_id, inbox, asyncio.get_running_loop().time() + timeout)
 
     async def generate(self, request_id, prompt, params, timeout, images=()) -> AsyncIterator[SampleDelta]:
@@ -161,13 +168,13 @@ class GrpcWorkerClient:
             request_id=request_id, prompt_token_ids=prompt, params=params_to_proto(params), images=list(images)
         )
         if inbox is None:
-            async for msg in self._read(self._decode.Generate(req, timeout=timeout)):
+            async for msg in self._read(lambda: self._decode.Generate(req, timeout=timeout)):
                 yield msg
             return
         req.subscriber_id = inbox.subscription.subscriber_id
         try:
             await self._decode.Submit(req, timeout=max(0.0, deadline - asyncio.get_running_loop().time()))
-        except grpc.aio.AioRpcError as e:
+        except CALL_ERRORS as e:
             self._drop(request_id)
             raise error_from_rpc(e, self.name) from None
         except BaseException:
@@ -182,6 +189,10 @@ class GrpcWorkerClient:
         request is to be read through its own call."""
         if not self.batched:
             return None
+        if request_id in self._inboxes:  # another request's: refused, its inbox left alone
+            raise ServiceError(
+                ErrorCode.INVALID_ARGUMENT, f"request id {request_id!r} is already in use on {self.name}"
+            )
         subscription = self._subscription
         if subscription is None or subscription.broken:
             subscription = await self._subscribe(min(timeout, _SUBSCRIBE_TIMEOUT_S))
@@ -229,23 +240,28 @@ class GrpcWorkerClient:
         if inbox is None or self._inboxes.get(request_id) is inbox:
             self._inboxes.pop(request_id, None)
 
-    async def _read(self, call) -> AsyncIterator[SampleDelta]:
+    async def _read(self, make_call) -> AsyncIterator[SampleDelta]:
+        """The deltas of the streaming call `make_call()` opens (inside the error mapping: a closed
+        channel refuses to open one)."""
+        call = None
         try:
+            call = make_call()
             async for msg in call:
                 yield delta_from_proto(msg)
-        except grpc.aio.AioRpcError as e:
+        except CALL_ERRORS as e:
             raise error_from_rpc(e, self.name) from None
         finally:
-            call.cancel()
+            if call is not None:
+                call.cancel()
 
-    async def abort(self, request_id, prefill: bool) -> bool:
+    async def abort(self, request_id, prefill: bool, unused: bool = False) -> Optional[bool]:
         stub = self._prefill if prefill else self._decode
         if not prefill:
             self._drop(request_id)
         try:
-            return (await stub.Abort(worker_pb2.AbortRequest(request_id=request_id), timeout=5)).found
-        except grpc.aio.AioRpcError:
-            return False  # a dead worker holds nothing
+            return (await stub.Abort(worker_pb2.AbortRequest(request_id=request_id, unused=unused), timeout=5)).found
+        except CALL_ERRORS:
+            return None  # unreachable: dead (it holds nothing) or cut off (it may still act)
 
     async def encode(self, request_id, images, timeout) -> list[EmbeddingHandle]:
         req = worker_pb2.EncodeRequest(request_id=request_id, images=list(images))
@@ -267,19 +283,25 @@ class GrpcWorkerClient:
         )
         try:
             await self._prefill.ConnectPeer(req, timeout=30)
-        except grpc.aio.AioRpcError as e:
+        except CALL_ERRORS as e:
+            raise error_from_rpc(e, self.name) from None
+
+    async def disconnect_peer(self, agent_name: str) -> None:
+        try:
+            await self._prefill.DisconnectPeer(worker_pb2.DisconnectPeerRequest(agent_name=agent_name), timeout=10)
+        except CALL_ERRORS as e:
             raise error_from_rpc(e, self.name) from None
 
     async def stats(self, timeout) -> WorkerLoad:
         try:
             return load_from_proto(await self._worker.Stats(common_pb2.StatusRequest(), timeout=timeout))
-        except grpc.aio.AioRpcError as e:
+        except CALL_ERRORS as e:
             raise error_from_rpc(e, self.name) from None
 
     async def drain(self, timeout) -> int:
         try:
             return (await self._worker.Drain(worker_pb2.DrainRequest(), timeout=timeout)).requests
-        except grpc.aio.AioRpcError as e:
+        except CALL_ERRORS as e:
             raise error_from_rpc(e, self.name) from None
 
     async def close(self) -> None:
@@ -307,8 +329,8 @@ class LocalWorkerClient:
     def generate(self, request_id, prompt, params, timeout, images=()) -> AsyncIterator[SampleDelta]:
         return self.core.generate(request_id, prompt, params, images)
 
-    async def abort(self, request_id, prefill: bool) -> bool:
-        return await self.core.abort(request_id)
+    async def abort(self, request_id, prefill: bool, unused: bool = False) -> Optional[bool]:
+        return await (self.core.abort(request_id, unused) if unused else self.core.abort(request_id))
 
     async def encode(self, request_id, images, timeout) -> list[EmbeddingHandle]:
         return await self.core.encode(request_id, list(images))
@@ -318,6 +340,9 @@ class LocalWorkerClient:
 
     async def connect_peer(self, agent_name, metadata, region=None) -> None:
         await self.core.connect_peer(agent_name, metadata, region)
+
+    async def disconnect_peer(self, agent_name: str) -> None:
+        await self.core.disconnect_peer(agent_name)
 
     async def stats(self, timeout) -> WorkerLoad:
         return self.core.stats()

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from deepinfer_core.config import PDConfig
-from services.common.limits import RequestLimits
+from services.common.limits import DEFAULT_MIGRATION_LIMIT, RequestLimits
 from services.router.prefill_policy import DEFAULT_BUCKETS
 
 
@@ -18,10 +18,18 @@ class RouterConfig:
     of one PE Prefill call (queueing + prefill + KV transfer), which `PDConfig` keeps within the lease."""
     admission_timeout_s: float = 60.0
     """How long a request may wait for a worker with room before RESOURCE_EXHAUSTED."""
+    retry_after_s: float = 2.0
+    """What a request refused for want of a worker tells the client to wait (HTTP `Retry-After`)."""
     reserve_timeout_s: float = 10.0
     """Deadline of one CE Reserve call."""
     max_prefill_attempts: int = 3
     """Prefills tried (on different PEs) before a request fails; only before any token was sent."""
+    migration_limit: int = DEFAULT_MIGRATION_LIMIT
+    """Times one sample may move to another prefill/decode pair after its decode engine died or its
+    stream broke mid-request (0: such a stream ends with an error)."""
+    failed_pool_grace_s: float = 5.0
+    """A retried prefill whose every ready PE already failed it waits this long for one of them to
+    leave (dead) or a new one to join before the request fails."""
     poll_interval_s: float = 0.5
     """How often the router polls each worker's Stats (health and load)."""
     prefill_buckets: tuple[int, ...] = DEFAULT_BUCKETS

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -37,6 +38,10 @@ class RouterCore:
         """What the controller reports about the pools (an engine waiting for a node), by topic;
         added to the readiness detail."""
         self._background: set[asyncio.Task] = set()
+        """Calls nobody waits for (aborts, probes); a task removes itself when done."""
+        self._active: set[str] = set()
+        """Ids of the requests streaming now: a second request under one of them gets a unique one."""
+        self._renames = itertools.count(1)
         self._poller: Optional[asyncio.Task] = None
 
     def start(self) -> None:
@@ -58,25 +63,37 @@ class RouterCore:
         settled). Raises ServiceError; leaving early aborts the request everywhere. `images`:
         encoded files, one per image placeholder run of `prompt` (expanded)."""
         self._validate(prompt, params)
-        limit = self.config.limits.request_timeout_s
-        deadline = time.monotonic() + min(timeout_s or limit, limit)
-        holdback = max((len(s) for s in params.stop), default=1) - 1
-        samples = split_samples(params)
-        assemblers = [SampleAssembler(i, holdback) for i in range(len(samples))]
-        flows = [SampleFlow(self, request_id, i, prompt, p, deadline, images) for i, p in enumerate(samples)]
-        many = len(flows) > 1  # one sample (n = 1) is read directly, without the merge's tasks and queue
-        stream = merge([f.deltas() for f in flows]) if many else flows[0].deltas()
+        request_id = self._claim(request_id)
         try:
-            async for item in stream:
-                index, delta = item if many else (0, item)
-                out = assemblers[index].push(delta)
-                if out is not None:
-                    yield out
+            limit = self.config.limits.request_timeout_s
+            deadline = time.monotonic() + min(timeout_s or limit, limit)
+            holdback = max((len(s) for s in params.stop), default=1) - 1
+            samples = split_samples(params)
+            assemblers = [SampleAssembler(i, holdback) for i in range(len(samples))]
+            flows = [SampleFlow(self, request_id, i, prompt, p, deadline, images) for i, p in enumerate(samples)]
+            many = len(flows) > 1  # one sample (n = 1) is read directly, without the merge's tasks and queue
+            stream = merge([f.deltas() for f in flows]) if many else flows[0].deltas()
+            try:
+                async for item in stream:
+                    index, delta = item if many else (0, item)
+                    out = assemblers[index].push(delta)
+                    if out is not None:
+                        yield out
+            finally:
+                await stream.aclose()
         finally:
-            await stream.aclose()
+            self._active.discard(request_id)
         unfinished = [a.index for a in assemblers if not a.done]
         if unfinished:
             raise ServiceError(ErrorCode.UNAVAILABLE, f"the output of sample(s) {unfinished} ended early")
+
+    def _claim(self, request_id: str) -> str:
+        """The request's id on the workers: its own, or, while another request streams under it
+        (a client reused one), a unique one, so that neither request disturbs the other."""
+        while request_id in self._active:
+            request_id = f"{request_id.split('~dup', 1)[0]}~dup{next(self._renames)}"
+        self._active.add(request_id)
+        return request_id
 
     def _validate(self, prompt: list[int], params: SamplingParams) -> None:
         if not prompt:
@@ -104,15 +121,36 @@ class RouterCore:
         has = {h.info.pool for h in self.registry.workers.values()}
         return (POOL_PREFILL in has and POOL_DECODE in has) or POOL_COLOCATED not in has
 
-    def abort_later(self, worker: WorkerHandle, sub_id: str, prefill: bool) -> None:
-        """Abort a sub-request without waiting (the caller may be cancelled itself)."""
-        self.run_later(worker.client.abort(sub_id, prefill))
+    def abort_later(self, worker: WorkerHandle, sub_id: str, prefill: bool, unused: bool = False) -> None:
+        """Abort a sub-request without waiting (the caller may be cancelled itself); `unused`: a CE
+        reservation whose KV target no PE was given, so its blocks need no quarantine."""
+        self.run_later(
+            worker.client.abort(sub_id, prefill, unused=True) if unused else worker.client.abort(sub_id, prefill)
+        )
+
+    def release_handed_out(self, pe: WorkerHandle, ce: WorkerHandle, sub_id: str) -> None:
+        """A sub-request whose KV target a PE was given ends early: abort it on the PE first, then
+        on the CE. A PE that answered the abort will never write for it (it waits out writes in
+        flight and refuses the id from then on), so the CE frees the blocks at once; a PE that could
+        not be reached may still write, so the CE fences them (quarantine) until the lease is over."""
+        self.run_later(self._release_handed_out(pe, ce, sub_id))
+
+    async def _release_handed_out(self, pe: WorkerHandle, ce: WorkerHandle, sub_id: str) -> None:
+        try:
+            reached = await pe.client.abort(sub_id, True)
+        except (asyncio.CancelledError, Exception):  # its channel closed under the call (the PE left)
+            reached = None
+        if reached is None:
+            await ce.client.abort(sub_id, False)
+        else:
+            await ce.client.abort(sub_id, False, unused=True)
 
     def run_later(self, coro) -> None:
         """Run a clean-up call without waiting for it (kept until done; `stop` waits for it)."""
         task = asyncio.ensure_future(coro)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
+        task.add_done_callback(_done_in_background)
 
     def encodes_images(self) -> bool:
         """Whether images go to a vision encoder first (an encoder pool is configured or present)."""
@@ -149,10 +187,20 @@ class RouterCore:
         return pool.get(chosen) if chosen else None
 
     def no_capacity_error(self, pool: int) -> ServiceError:
+        """What a request that waited its admission deadline for `pool` fails with; the client is
+        told when to come back (a replacement engine starts within seconds)."""
         name = POOL_NAMES[pool]
+        retry = self.config.retry_after_s
         if not self.registry.pool(pool):
-            return ServiceError(ErrorCode.UNAVAILABLE, f"no {name} worker is available")
-        return ServiceError(ErrorCode.RESOURCE_EXHAUSTED, f"every {name} worker is at capacity; retry later")
+            return ServiceError(ErrorCode.UNAVAILABLE, f"no {name} worker is available", retry_after_s=retry)
+        return ServiceError(
+            ErrorCode.RESOURCE_EXHAUSTED, f"every {name} worker is at capacity; retry later", retry_after_s=retry
+        )
+
+    def suspect(self, worker: WorkerHandle) -> None:
+        """A call to `worker` failed as if it were gone: check it now, not at the next poll, so a
+        dead engine leaves routing at once (the controller replaces it)."""
+        self.run_later(self.registry.probe(worker))
 
     # ---- state ---------------------------------------------------------------------------------
     def ready(self) -> tuple[bool, str]:
@@ -162,3 +210,9 @@ class RouterCore:
         if missing:
             return False, f"waiting for a ready worker in pool(s): {', '.join(missing)}{notes}"
         return True, f"ok{notes}"
+
+
+def _done_in_background(task: asyncio.Task) -> None:
+    """A background call's failure is logged, not left unretrieved (its worker may be gone)."""
+    if not task.cancelled() and task.exception() is not None:
+        logger.warning("a background call failed: %r", task.exception())

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Optional
 
-from services.common.errors import ServiceError
+from services.common.errors import ErrorCode, ServiceError
 from services.common.workers import POOL_DECODE, POOL_PREFILL, WorkerInfo, WorkerLoad
 from services.router.clients import WorkerClient
 from services.router.prefix_index import PrefixSet, capacity_for
@@ -41,6 +41,8 @@ class WorkerHandle:
     inflight_tokens: int = 0
     """PE: prompt tokens of prefills in flight. CE / NORMAL: prompt + max output tokens of its requests."""
     failures: int = 0
+    connected_peers: bool = True
+    """This registry connected its PEs to it (a CE), so it disconnects them when it leaves."""
     joined_at: float = field(default_factory=time.monotonic)
     prefixes: PrefixSet = field(init=False)
     """The prompt prefixes the router sent here (prefix-aware routing); a worker that rejoins starts empty."""
@@ -70,7 +72,7 @@ class PoolRegistry:
         old = self.workers.pop(info.worker_id, None)
         if old is not None:
             await old.client.close()
-        handle = WorkerHandle(info, client or self.client_factory(info))
+        handle = WorkerHandle(info, client or self.client_factory(info), connected_peers=connect_peers)
         if connect_peers:
             await self._connect_peers(handle)
         self.workers[info.worker_id] = handle
@@ -95,14 +97,25 @@ class PoolRegistry:
         except ServiceError as e:  # the first hand-off connects lazily (a mismatched layout is refused there too)
             logger.warning("could not connect %s to %s: %s", pe.worker_id, ce.worker_id, e)
 
-    async def remove(self, worker_id: str) -> bool:
+    async def remove(self, worker_id: str, disconnect: bool = True) -> bool:
+        """The worker leaves its pool; `disconnect`: a CE's PEs let go of its transfer agent."""
         handle = self.workers.pop(worker_id, None)
         if handle is None:
             return False
-        await handle.client.close()
         logger.info("worker %s left the %s pool", worker_id, handle.info.pool_name)
-        self._notify()
+        self._notify()  # routing stops at once; the clean-up below may take a moment
+        await handle.client.close()
+        if disconnect and handle.connected_peers and handle.info.pool == POOL_DECODE and handle.info.agent_name:
+            await self._disconnect(handle.info.agent_name)
         return True
+
+    async def _disconnect(self, agent_name: str) -> None:
+        """The PEs let go of a CE that left: a restarted CE is a new peer, nothing stale piles up."""
+        pes = self.pool(POOL_PREFILL, ready_only=False)
+        results = await asyncio.gather(*(_let_go(pe, agent_name) for pe in pes), return_exceptions=True)
+        for pe, result in zip(pes, results):
+            if isinstance(result, Exception):
+                logger.warning("%s could not let go of %s: %s", pe.worker_id, agent_name, result)
 
     def drain(self, worker_id: str) -> Optional[WorkerHandle]:
         """Route no new work to the worker."""
@@ -144,6 +157,18 @@ class PoolRegistry:
             if handle.failures >= self.max_failures and self.workers.get(handle.worker_id) is handle:
                 await self.remove(handle.worker_id)
 
+    async def probe(self, handle: WorkerHandle, timeout_s: float = 2.0) -> None:
+        """Poll one worker now (a call to it failed as if it were gone); one that cannot be reached
+        leaves at once. Slow is not gone: a worker that only times out is left to the polls."""
+        if self.workers.get(handle.worker_id) is not handle:
+            return
+        try:
+            handle.load, handle.failures = await handle.client.stats(timeout_s), 0
+        except ServiceError as e:
+            if e.code == ErrorCode.UNAVAILABLE and self.workers.get(handle.worker_id) is handle:
+                logger.warning("worker %s is unreachable: removing it (%s)", handle.worker_id, e)
+                await self.remove(handle.worker_id)
+
     async def run_polling(self, interval_s: float) -> None:
         while True:
             await self.poll_once()
@@ -151,7 +176,11 @@ class PoolRegistry:
 
     async def close(self) -> None:
         for worker_id in list(self.workers):
-            await self.remove(worker_id)
+            await self.remove(worker_id, disconnect=False)  # every worker goes: nothing to tell the PEs
+
+
+async def _let_go(pe: WorkerHandle, agent_name: str) -> None:
+    await pe.client.disconnect_peer(agent_name)
 
 
 class RegistryMirror:

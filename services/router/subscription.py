@@ -20,7 +20,7 @@ import grpc
 
 from proto import worker_pb2
 from services.common.errors import ErrorCode, ServiceError
-from services.common.grpc_util import error_from_rpc
+from services.common.grpc_util import CALL_ERRORS, error_from_rpc
 from services.router.inbox import RequestInbox
 
 logger = logging.getLogger(__name__)
@@ -59,14 +59,17 @@ class DeltaSubscription:
         """Subscribe and wait until the worker has the subscription in place (its initial
         metadata). None when the worker has no `Subscribe` (an older one: read each request's
         own stream). Raises ServiceError when the worker cannot be reached in `timeout`."""
-        call = stub.Subscribe(worker_pb2.SubscribeRequest(subscriber_id=subscriber_id))
+        try:
+            call = stub.Subscribe(worker_pb2.SubscribeRequest(subscriber_id=subscriber_id))
+        except CALL_ERRORS as e:  # the channel was closed: the worker left
+            raise error_from_rpc(e, worker_name) from None
         try:
             await asyncio.wait_for(call.initial_metadata(), timeout)
             if call.done():  # refused before it began (or unreachable): the status says why
                 raise await _status_error(call)
-        except grpc.aio.AioRpcError as e:
+        except CALL_ERRORS as e:
             call.cancel()
-            if e.code() == grpc.StatusCode.UNIMPLEMENTED:
+            if isinstance(e, grpc.aio.AioRpcError) and e.code() == grpc.StatusCode.UNIMPLEMENTED:
                 return None
             raise error_from_rpc(e, worker_name) from None
         except asyncio.TimeoutError:
@@ -94,7 +97,7 @@ class DeltaSubscription:
                     inbox = inboxes.get(item.request_id)
                     if inbox is not None:  # None: a request the router has let go (aborted, deadline)
                         inbox.put(item.delta)
-        except grpc.aio.AioRpcError as e:
+        except CALL_ERRORS as e:
             error = error_from_rpc(e, self.worker_name)
         except asyncio.CancelledError:
             error = ServiceError(ErrorCode.UNAVAILABLE, f"the router closed its connection to {self.worker_name}")

@@ -86,6 +86,7 @@ class DecodeCore(WorkerCore):
         `lease_s`: None takes the engine's `PDConfig.lease_s`. `subscriber_id`: whose
         subscription carries the deltas; "" = the request's own `stream`."""
         self._check_role(EngineType.COMPLETION, "Reserve")
+        self._check_new(request_id)
         self.streams.open(request_id, self._outbox(subscriber_id), after_handoff=True)
         try:
             return await self.host.run(_reserve, request_id, params, prompt_token_ids, lease_s)
@@ -117,6 +118,7 @@ class DecodeCore(WorkerCore):
             yield delta
 
     async def _add(self, request_id, prompt_token_ids, params, outbox: Optional[Outbox], images=()) -> None:
+        self._check_new(request_id)
         self.streams.open(request_id, outbox)
         mm = {"image": list(images)} if images else None
         try:
@@ -124,6 +126,14 @@ class DecodeCore(WorkerCore):
         except EngineError as e:
             self.streams.close(request_id)
             raise engine_error(e) from None
+
+    def _check_new(self, request_id: str) -> None:
+        """Refuse a second request under a live one's id before touching anything of the first
+        (its stream would be replaced, then closed by the engine's refusal)."""
+        if request_id in self.streams:
+            raise ServiceError(
+                ErrorCode.INVALID_ARGUMENT, f"request id {request_id!r} is already in use on worker {self.worker_id}"
+            )
 
     def _check_role(self, engine_types, rpc: str) -> None:
         self.check_accepting()
@@ -150,6 +160,15 @@ class DecodeCore(WorkerCore):
             if not finished and request_id in self.streams:
                 await self.abort(request_id)
 
+    async def abort(self, request_id: str, unused: bool = False) -> bool:
+        """End a request; `unused`: a CE reservation no PE was given, whose blocks are free at once."""
+        if not unused or self.engine.engine_type != EngineType.COMPLETION:
+            return await super().abort(request_id)
+        found = self._forget(request_id)
+        if self.host.alive:
+            await self.host.run(_release_unused, request_id)
+        return found
+
     # ---- the engine's side ------------------------------------------------------------------------
     def _forget(self, request_id: str) -> bool:
         return self.streams.close(request_id)
@@ -165,6 +184,10 @@ class DecodeCore(WorkerCore):
 
 def _reserve(engine, request_id, params, prompt_token_ids, lease_s):
     return engine.reserve(request_id, params, prompt_token_ids, lease_s=lease_s)
+
+
+def _release_unused(engine, request_id):
+    engine.release_unused(request_id)
 
 
 def _add(engine, request_id, params, prompt_token_ids, multi_modal_data=None):

@@ -42,23 +42,31 @@ class PrefillCore(WorkerCore):
         self.kv_bytes = 0
         self.embeddings: Optional[EmbeddingFetcher] = None
         """Reads image embeddings from vision encoders (made at the first request with any)."""
+        self._aborted: dict[str, float] = {}
+        """Ids aborted lately (-> when): a Prefill for one arriving late is refused, so an answered
+        Abort means this engine will never write into that request's reservation."""
 
     async def prefill(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, kv_target: KVTarget, images=()
     ) -> PrefillResult:
         """`images`: one per image of the prompt, its encoded file or its `EmbeddingHandle`."""
         self.check_accepting()
+        if request_id in self._aborted:
+            raise ServiceError(ErrorCode.CANCELLED, f"request {request_id!r} was aborted before it arrived")
+        if request_id in self.pending:  # refused before the first one's record is touched
+            raise ServiceError(
+                ErrorCode.INVALID_ARGUMENT, f"request id {request_id!r} is already in use on worker {self.worker_id}"
+            )
         mm, embeds_seconds = await self._image_data(images)
         pending = _Pending(self.loop.create_future(), time.monotonic(), embeds_seconds=embeds_seconds)
         self.pending[request_id] = pending
         try:
             await self.host.run(_admit, request_id, kv_target, first_token_params(params), prompt_token_ids, mm)
+            return await pending.future
         except EngineError as e:
             self.pending.pop(request_id, None)
             raise engine_error(e) from None
-        try:
-            return await pending.future
-        except asyncio.CancelledError:
+        except asyncio.CancelledError:  # the admission may still run: the abort is queued after it
             if self.pending.pop(request_id, None) is not None:
                 await asyncio.shield(self.abort(request_id))
             raise
@@ -81,6 +89,20 @@ class PrefillCore(WorkerCore):
             await self.host.run(lambda engine: engine.connect_peer(agent_name, metadata, region))
         except EngineError as e:  # a CE whose KV layout differs from ours
             raise engine_error(e) from None
+
+    async def abort(self, request_id: str) -> bool:
+        """End the request; once this returns, no write of it is in flight or will be posted."""
+        now = time.monotonic()
+        self._aborted[request_id] = now
+        if len(self._aborted) > _TOMBSTONES:  # oldest first (insertion order): keep the recent ones
+            for rid in list(self._aborted)[: len(self._aborted) - _TOMBSTONES]:
+                del self._aborted[rid]
+        return await super().abort(request_id)
+
+    async def disconnect_peer(self, agent_name: str) -> None:
+        """Forget a CE that left (its agent goes once no hand-off targets it)."""
+        if self.host.alive:
+            await self.host.run(lambda engine: engine.disconnect_peer(agent_name))
 
     def _forget(self, request_id: str) -> bool:
         pending = self.pending.pop(request_id, None)
@@ -137,6 +159,10 @@ class PrefillCore(WorkerCore):
         load = super().stats()
         load.handoffs = self.num_handoffs
         return load
+
+
+_TOMBSTONES = 65536
+"""Aborted ids remembered: far more than can be in flight to one engine at once."""
 
 
 def first_token_params(params: SamplingParams) -> SamplingParams:

@@ -61,6 +61,11 @@ class PrefillService(worker_pb2_grpc.PrefillServicer):
         await self.core.connect_peer(request.agent_name, request.agent_metadata, region_from_proto(request, "region"))
         return worker_pb2.ConnectPeerReply()
 
+    @handles_errors
+    async def DisconnectPeer(self, request, context):
+        await self.core.disconnect_peer(request.agent_name)
+        return worker_pb2.DisconnectPeerReply()
+
 
 class DecodeService(worker_pb2_grpc.DecodeServicer):
     """CE (Reserve / Stream / Abort) or NORMAL engine (Submit, Generate / Abort); either one's
@@ -111,7 +116,7 @@ class DecodeService(worker_pb2_grpc.DecodeServicer):
 
     @handles_errors
     async def Abort(self, request, context):
-        return worker_pb2.AbortReply(found=await self.core.abort(request.request_id))
+        return worker_pb2.AbortReply(found=await self.core.abort(request.request_id, request.unused))
 
 
 class EncoderService(worker_pb2_grpc.EncoderServicer):

@@ -119,8 +119,10 @@ class OutputStreams:
     def close(self, request_id: str) -> bool:
         """The request was aborted: its reader sees finish_reason 'abort'. False when unknown."""
         request = self._requests.pop(request_id, None)
-        if request is None:
-            own = self._own.get(request_id)  # finished, its reader not done yet: nothing to add
+        # an own outbox goes too: a reader already on it keeps reading it; an aborted request gets
+        # no new reader (left here, one aborted before its stream was read would stay for good)
+        own = self._own.pop(request_id, None)
+        if request is None:  # finished, its reader not done yet: nothing to add
             return own is not None
         request.outbox.requests.discard(request_id)
         differ = request.differ or OutputDiffer()

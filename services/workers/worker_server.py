@@ -79,6 +79,8 @@ class WorkerServer:
         self._server = None
         self._metrics_server = None
         self.loop = new_event_loop()
+        self.stopped = threading.Event()
+        """Set once `stop` has run (what `WorkerActor.watch` waits for)."""
         self._thread = threading.Thread(target=self.loop.run_forever, name=f"loop-{spec.worker_id}", daemon=True)
 
     def start(self, timeout_s: float = 600.0) -> WorkerInfo:
@@ -153,6 +155,7 @@ class WorkerServer:
         if self._metrics_server is not None:
             self._metrics_server.shutdown()
         self.loop.call_soon_threadsafe(self.loop.stop)
+        self.stopped.set()
 
 
 class WorkerActor:
@@ -179,3 +182,8 @@ class WorkerActor:
 
     def stop(self) -> None:
         self.server.stop()
+
+    def watch(self) -> None:
+        """Returns when the worker has stopped: the controller's call that fails the moment this
+        actor's process dies (it holds one of the actor's threads for as long as the worker runs)."""
+        self.server.stopped.wait()

@@ -1,5 +1,5 @@
 """`deepinfer scale` up and down while requests stream (none lost, pools report the new sizes),
-and stage failures: a dead PE is retried around, a dead CE ends its streams with a clear error."""
+and stage failures: a dead PE is retried around and replaced, a dead CE's streams migrate."""
 
 import json
 import os
@@ -82,12 +82,12 @@ def test_scale_up_and_down_while_streaming_loses_nothing(serve):
     assert r.returncode == 0 and "prefill pool: 1 worker(s), target 1" in r.stdout
 
 
-def test_a_dead_prefill_engine_is_routed_around(serve):
+def test_a_dead_prefill_engine_is_routed_around_and_replaced(serve):
     assert serve.cli("scale", "--prefill", "2").returncode == 0
     prefill = next(p for p in _status(serve).pools if p.pool == 2)
     victim = prefill.workers[-1].info
     os.kill(victim.pid, signal.SIGKILL)
-    for i in range(6):  # some of these pick the dead PE before the health poll drops it
+    for i in range(6):  # some of these may pick the dead PE before it is out of routing
         r = httpx.post(
             f"{serve.base_url}/completions",
             json={"prompt": f"retry {i}", "max_tokens": 4, "ignore_eos": True},
@@ -95,10 +95,16 @@ def test_a_dead_prefill_engine_is_routed_around(serve):
         )
         assert r.status_code == 200, r.text
         assert r.json()["usage"]["completion_tokens"] == 4
-    assert wait_until(lambda: _pool_sizes(serve)[2] == 1, timeout_s=30)
+
+    def replaced() -> bool:
+        ids = [w.info.worker_id for p in _status(serve).pools if p.pool == 2 for w in p.workers]
+        return len(ids) == 2 and victim.worker_id not in ids
+
+    assert wait_until(replaced, timeout_s=120)  # the pool heals to its target
+    assert serve.cli("scale", "--prefill", "1").returncode == 0
 
 
-def test_a_dead_decode_engine_ends_its_streams_with_a_clear_error(serve):
+def test_a_dead_decode_engine_s_streams_migrate_and_finish(serve):
     assert serve.cli("scale", "--decode", "2").returncode == 0
     streams = Streams(serve, 4, max_tokens=400)
     assert wait_until(lambda: min(streams.chunks) >= 2, timeout_s=120)  # all four are decoding
@@ -106,12 +112,10 @@ def test_a_dead_decode_engine_ends_its_streams_with_a_clear_error(serve):
     victim = max(decode.workers, key=lambda w: w.inflight)
     os.kill(victim.info.pid, signal.SIGKILL)
     results = streams.join()
-    failed = [errors for reasons, errors in results if errors]
-    assert len(failed) == victim.inflight >= 1, (failed, victim.inflight)
-    assert all("unreachable" in e[0] or "decode" in e[0] for e in failed), failed
-    assert all(reasons == ["length"] for reasons, errors in results if not errors)
+    assert all(errors == [] and reasons == ["length"] for reasons, errors in results), results
     r = httpx.post(f"{serve.base_url}/completions", json={"prompt": "still here", "max_tokens": 3}, timeout=60)
     assert r.status_code == 200
+    assert serve.cli("scale", "--decode", "1").returncode == 0
 
 
 def test_health_is_503_while_a_pool_has_no_ready_worker(serve):

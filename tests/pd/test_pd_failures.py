@@ -186,8 +186,19 @@ def test_reservation_over_capacity_is_refused_clearly(ce):
     with pytest.raises(RemoteError, match="^CapacityError: .*free KV blocks"):
         reserve(ce, "one-too-many", prompt, greedy(4))
     for i in range(fits):
-        ce.call("abort", f"fill-{i}")
+        ce.call("release_unused", f"fill-{i}")  # no PE was given these targets: no fence needed
     assert wait_free_blocks(ce, N) == N and ce.call("stats")["requests"] == 0
+
+
+def test_an_aborted_reservation_stays_fenced_until_its_lease_and_grace_are_over(ce):
+    """A PE may post writes until the target's lease ends: an abort alone frees the blocks no sooner
+    than lease + grace (here 3 s + 1.5 s), not grace after the abort."""
+    target = reserve(ce, "fenced", [1, 2, 3], greedy(4), lease_s=3.0)
+    ce.call("abort", "fenced")
+    time.sleep(2.0)  # past the grace after the abort, inside the lease
+    stats = ce.call("stats")
+    assert stats["quarantined"] == 1 and stats["free_blocks"] == N - len(target.block_ids)
+    assert wait_free_blocks(ce, N, timeout_s=10) == N and ce.call("stats")["quarantined"] == 0
 
 
 def test_bad_target_size_is_refused(ce):
@@ -196,7 +207,7 @@ def test_bad_target_size_is_refused(ce):
     with pytest.raises(KVTargetRejected, match="reserves"):
         pe.add_prefill("short", target, greedy(2), list(range(1, 60)))
     assert not pe.requests
-    ce.call("abort", "short")
+    ce.call("release_unused", "short")  # the PE refused it (as the router learns): nothing can land
     assert wait_free_blocks(ce, N) == N
 
 

@@ -24,6 +24,7 @@ from services.common.errors import ErrorCode, ServiceError  # noqa: E402
 from services.common.grpc_util import channel  # noqa: E402
 from services.common.params import params_to_proto  # noqa: E402
 from services.common.workers import POOL_COLOCATED, POOL_DECODE, POOL_PREFILL  # noqa: E402
+from services.metrics import definitions as m  # noqa: E402
 from services.router.clients import GrpcWorkerClient  # noqa: E402
 from services.router.config import RouterConfig  # noqa: E402
 from services.router.core import RouterCore  # noqa: E402
@@ -51,12 +52,12 @@ def workers():
 
 
 @contextlib.asynccontextmanager
-async def _router(workers, pools, batched: bool = True):
+async def _router(workers, pools, batched: bool = True, **config):
     registry = PoolRegistry(lambda info: GrpcWorkerClient(info, batched=batched))
     for server in workers.values():
         if server.info.pool in pools:
             await registry.add(server.info)
-    router = RouterCore(registry, RouterConfig(pools=pools))
+    router = RouterCore(registry, RouterConfig(pools=pools, **config))
     try:
         yield router
     finally:
@@ -207,10 +208,11 @@ def _end_subscriptions(server: WorkerServer) -> int:
 
 
 def test_a_subscription_that_ends_fails_its_requests_and_the_next_request_opens_another(workers):
+    """Without migration (`migration_limit=0`): the broken stream's request fails."""
     server = workers["normal-0"]
 
     async def run():
-        async with _router(workers, COLOCATED) as router:
+        async with _router(workers, COLOCATED, migration_limit=0) as router:
             client = router.registry.workers["normal-0"].client
             stream = router.generate("cut-off", PROMPTS[0], _greedy(100))
             await anext(stream)
@@ -232,6 +234,32 @@ def test_a_subscription_that_ends_fails_its_requests_and_the_next_request_opens_
     ended, error, first_id, second_id, again, seen = _run(run())
     assert ended == 1 and error.code is ErrorCode.UNAVAILABLE and "normal-0" in error.message
     assert second_id != first_id and again[0]["finish"] == "length" and len(again[0]["tokens"]) == 5
+    assert seen["loads"][0].requests == 0 and seen["loads"][0].free_blocks == seen["loads"][0].num_blocks
+
+
+def test_a_subscription_that_ends_mid_stream_migrates_its_request_token_identically(workers):
+    """With migration (the default) the request goes on, over a new subscription, from prompt +
+    tokens so far: the client's tokens and text are the undisturbed run's."""
+    server = workers["normal-0"]
+
+    async def run():
+        async with _router(workers, COLOCATED) as router:
+            undisturbed = await _client_view(router, "calm", PROMPTS[0], _greedy(60))
+            stream = router.generate("cut-off", PROMPTS[0], _greedy(60))
+            tokens, text = [], ""
+            for _ in range(3):
+                delta = await anext(stream)
+                tokens, text = tokens + delta.token_ids, text + delta.text
+            await asyncio.to_thread(_end_subscriptions, server)
+            async for delta in stream:
+                assert delta.token_offset == len(tokens) and delta.text_offset == len(text)
+                tokens, text = tokens + delta.token_ids, text + delta.text
+            return undisturbed, tokens, text, await _settled(router, workers, ["normal-0"])
+
+    before = m.MIGRATIONS.labels("unavailable")._value.get()
+    undisturbed, tokens, text, seen = _run(run())
+    assert tokens == undisturbed[0]["tokens"] and text == undisturbed[0]["text"] and len(tokens) == 60
+    assert m.MIGRATIONS.labels("unavailable")._value.get() == before + 1
     assert seen["loads"][0].requests == 0 and seen["loads"][0].free_blocks == seen["loads"][0].num_blocks
 
 

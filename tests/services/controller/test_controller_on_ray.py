@@ -114,16 +114,36 @@ def test_a_pool_no_node_can_take_is_reported_then_given_up(groups):
     assert default_resource(POOL_PREFILL) == good.resource
 
 
-def test_a_dead_engine_is_replaced_by_reconcile(groups):
+def test_a_killed_engine_leaves_routing_and_is_replaced_at_once(groups):
+    """No poll, no planner: the controller's death watch removes it and starts a new one."""
     import os
     import signal
 
+    from services.metrics.definitions import WORKER_RESTARTS
+
     groups.run(groups.controller.scale({POOL_PREFILL: 1, POOL_DECODE: 1}))
     victim = groups.head.router.registry.pool(POOL_DECODE)[0]
+    restarts = WORKER_RESTARTS.labels("decode")._value.get()
+    killed = time.monotonic()
     os.kill(victim.info.pid, signal.SIGKILL)
-    deadline = time.monotonic() + 30
-    while victim.worker_id in groups.head.router.registry.workers and time.monotonic() < deadline:
-        time.sleep(0.1)  # the router drops it after missed polls
+    while victim.worker_id in groups.head.router.registry.workers and time.monotonic() < killed + 10:
+        time.sleep(0.05)
+    left_after = time.monotonic() - killed
+    deadline = time.monotonic() + 120
+    while not groups.head.router.registry.pool(POOL_DECODE) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    ready = groups.head.router.registry.pool(POOL_DECODE)
+    assert left_after < 5, left_after
+    assert len(ready) == 1 and ready[0].worker_id != victim.worker_id
+    assert WORKER_RESTARTS.labels("decode")._value.get() == restarts + 1
+    assert not groups.controller.needs_repair()
+
+
+def test_an_engine_the_router_dropped_is_replaced_by_reconcile(groups):
+    """Alive but dropped (it stopped answering the polls): the planner's reconcile replaces it."""
+    groups.run(groups.controller.scale({POOL_PREFILL: 1, POOL_DECODE: 1}))
+    victim = groups.head.router.registry.pool(POOL_DECODE)[0]
+    groups.run(groups.head.router.registry.remove(victim.worker_id))
     assert groups.controller.needs_repair()
     groups.run(groups.controller.reconcile())
     ready = groups.head.router.registry.pool(POOL_DECODE)

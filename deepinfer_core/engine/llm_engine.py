@@ -36,6 +36,7 @@ from deepinfer_core.worker.model_runner import StepResult
 from deepinfer_core.worker.worker import Worker
 
 if TYPE_CHECKING:
+    from deepinfer_core.distributed.group import InstanceGroup
     from deepinfer_core.transfer.nixl_agent import NixlKVAgent
 
 logger = logging.getLogger(__name__)
@@ -45,8 +46,11 @@ class LLMEngine(RequestAdmission, SamplingRules):
     agent: Optional[NixlKVAgent] = None
     """The KV transfer agent of a PE or CE (set by `init_pd_split`); None on a NORMAL engine."""
 
-    def __init__(self, config: EngineConfig, tokenizer=None, dp_group=None):
+    def __init__(self, config: EngineConfig, tokenizer=None, dp_group=None, group: Optional[InstanceGroup] = None):
+        """`group`: this rank's instance (expert parallelism: N ranks stepping in lockstep, see
+        `deepinfer_core.distributed.lockstep`); `dp_group`: a process group for the DP vote alone."""
         self.config = config
+        self.group = group
         self.engine_type = config.engine_type
         self.role = config.role
         if config.parallel.context_parallel_size > 1:
@@ -62,7 +66,7 @@ class LLMEngine(RequestAdmission, SamplingRules):
         self._step_in_flight: Optional[InFlightStep] = None
         """Zero-overhead scheduling: the launched step whose tokens are not read back yet."""
         self.tokenizer = tokenizer if tokenizer is not None else self._load_tokenizer()
-        self.worker = Worker(config)
+        self.worker = Worker(config, group)
         self.mm_processor = self._build_mm_processor()
         self.requests: dict[str, RequestState] = {}
         self._seq_ids = itertools.count()
@@ -83,7 +87,7 @@ class LLMEngine(RequestAdmission, SamplingRules):
         self.cache = self.worker.init_cache(num_blocks)
         dp_vote = None
         if self.role.votes_on_step_kind and self.config.parallel.data_parallel_size > 1:
-            dp_vote = DPVote(dp_group)
+            dp_vote = DPVote(dp_group if dp_group is not None or self.group is None else self.group.pg)
         slots = self.cache.states.shape[0] if self.cache.states is not None else 0
         self.scheduler = Scheduler(self.config.scheduler, self.config.cache, num_blocks, dp_vote, slots)
         if self.role.init_pd_split:

@@ -61,7 +61,11 @@ def _wait_for_ranks(store: dist.Store, rank: int, size: int, timeout_s: float) -
     deadline = time.monotonic() + timeout_s
     pending = set(range(size))
     while pending:
-        pending = {r for r in pending if not store.check([f"joined/{r}"])}
+        try:
+            pending = {r for r in pending if not store.check([f"joined/{r}"])}
+        except dist.DistError as e:  # the store's host (rank 0) gave up first
+            raise TimeoutError(f"rank {rank}: rank(s) {sorted(pending)} of {size} did not join the instance "
+                               f"(rank 0 stopped waiting: {type(e).__name__})") from None  # fmt: skip
         if not pending:
             return
         if time.monotonic() > deadline:

@@ -9,7 +9,9 @@ killed past the deadline), so a hanging instance fails the test instead of the s
 
 from __future__ import annotations
 
+import queue as pyqueue
 import socket
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -68,12 +70,17 @@ def run_ranks(world: int, target: Callable, args: tuple = (), timeout_s: float =
     for p in procs.values():
         p.start()
     results: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout_s
     try:
-        for _ in started:
-            rank, result = queue.get(timeout=timeout_s)
-            results[rank] = result
-    except Exception:
-        pass  # the caller asserts on what is missing
+        # until every rank reported, or those that did not are dead (a killed rank never reports)
+        while len(results) < len(started) and time.monotonic() < deadline:
+            try:
+                rank, result = queue.get(timeout=0.5)
+                results[rank] = result
+            except pyqueue.Empty:
+                if not any(p.is_alive() for r, p in procs.items() if r not in results):
+                    _drain(queue, results)  # what a rank sent just before it exited
+                    break
     finally:
         for p in procs.values():
             p.join(timeout=10)
@@ -81,6 +88,15 @@ def run_ranks(world: int, target: Callable, args: tuple = (), timeout_s: float =
                 p.kill()
                 p.join(timeout=10)
     return results
+
+
+def _drain(queue, results: dict) -> None:
+    while True:
+        try:
+            rank, result = queue.get(timeout=0.2)
+        except pyqueue.Empty:
+            return
+        results[rank] = result
 
 
 def make_rank_engine(group, engine_type: EngineType = EngineType.NORMAL, **kw) -> LLMEngine:

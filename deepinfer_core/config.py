@@ -142,6 +142,8 @@ class EplbConfig:
     """"hierarchical" or "global"; None: the role's `eplb_policy`."""
     ranks_per_node: int = 0
     """Hierarchical policy: ranks sharing a node (0: one node holds every rank)."""
+    measure_interval: int = 100
+    """Counted steps between measurements of the load imbalance (one small all-reduce each)."""
 
     def __post_init__(self) -> None:
         if self.num_redundant_experts < 0:
@@ -152,6 +154,8 @@ class EplbConfig:
             raise ValueError(f"unknown EPLB policy {self.policy!r}; choose one of {', '.join(EPLB_POLICIES)}")
         if self.ranks_per_node < 0:
             raise ValueError(f"ranks_per_node must be >= 0, got {self.ranks_per_node}")
+        if self.measure_interval < 1:
+            raise ValueError(f"measure_interval must be >= 1, got {self.measure_interval}")
 
 
 @dataclass(frozen=True)

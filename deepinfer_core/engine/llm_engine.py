@@ -37,6 +37,7 @@ from deepinfer_core.worker.worker import Worker
 
 if TYPE_CHECKING:
     from deepinfer_core.distributed.group import InstanceGroup
+    from deepinfer_core.eplb.balancer import ExpertBalancer
     from deepinfer_core.transfer.nixl_agent import NixlKVAgent
 
 logger = logging.getLogger(__name__)
@@ -90,8 +91,17 @@ class LLMEngine(RequestAdmission, SamplingRules):
             dp_vote = DPVote(dp_group if dp_group is not None or self.group is None else self.group.pg)
         slots = self.cache.states.shape[0] if self.cache.states is not None else 0
         self.scheduler = Scheduler(self.config.scheduler, self.config.cache, num_blocks, dp_vote, slots)
+        self.balancer = self._build_balancer()
         if self.role.init_pd_split:
             self.init_pd_split()
+
+    def _build_balancer(self) -> Optional[ExpertBalancer]:
+        """The expert-parallel load balancer of an EP rank; None without expert parallelism."""
+        if self.worker.ep is None:
+            return None
+        from deepinfer_core.eplb.balancer import ExpertBalancer
+
+        return ExpertBalancer(self.worker.ep, self.config.eplb, self.role)
 
     @property
     def copy_state(self) -> Optional[torch.Tensor]:
@@ -147,6 +157,8 @@ class LLMEngine(RequestAdmission, SamplingRules):
         launched here stays in flight, and what this call returns is the previous step's outputs."""
         outputs, prev = self._settle_step_in_flight()
         out = self.scheduler.schedule()
+        if self.balancer is not None:  # EPLB measures and rearranges on the role's counted steps
+            self.balancer.on_step(self.scheduler.expert_balance_steps)
         self.post_schedule(out)
         if not out.prompt_run and self.copy_state is not None:
             to_copy = [s for s in out.scheduled_seqs if self.should_copy_state(s)]

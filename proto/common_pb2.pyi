@@ -189,7 +189,7 @@ class KVTarget(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., engine_id: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., base_addr: _Optional[int] = ..., num_blocks_total: _Optional[int] = ..., device_id: _Optional[int] = ..., mem_type: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., fingerprint: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., expires_at: _Optional[float] = ..., layout: _Optional[str] = ...) -> None: ...
 
 class WorkerLoad(_message.Message):
-    __slots__ = ("worker_id", "queued_prompt_tokens", "running_requests", "waiting_requests", "total_kv_tokens", "kv_usage", "free_blocks", "num_blocks", "requests", "reservations", "prefix_queries", "prefix_hits", "kv_transfer_bytes", "handoffs", "draining", "open_streams", "computed_prompt_tokens", "kv_store_hit_tokens_l2", "kv_store_hit_tokens_l3", "kv_store_miss_tokens", "kv_store_load_bytes_l2", "kv_store_load_bytes_l3", "kv_store_saved_bytes", "kv_store_load_seconds", "kv_store_load_failures", "kv_store_corrupt_entries", "kv_store_evictions_l2", "kv_store_evictions_l3", "kv_store_l2_bytes", "kv_store_l3_bytes")
+    __slots__ = ("worker_id", "queued_prompt_tokens", "running_requests", "waiting_requests", "total_kv_tokens", "kv_usage", "free_blocks", "num_blocks", "requests", "reservations", "prefix_queries", "prefix_hits", "kv_transfer_bytes", "handoffs", "draining", "open_streams", "computed_prompt_tokens", "kv_store_hit_tokens_l2", "kv_store_hit_tokens_l3", "kv_store_miss_tokens", "kv_store_load_bytes_l2", "kv_store_load_bytes_l3", "kv_store_saved_bytes", "kv_store_load_seconds", "kv_store_load_failures", "kv_store_corrupt_entries", "kv_store_evictions_l2", "kv_store_evictions_l3", "kv_store_l2_bytes", "kv_store_l3_bytes", "ep_rank", "ep_size", "dummy_steps", "eplb_rearrangements", "moe_load_imbalance")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     QUEUED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
@@ -220,6 +220,11 @@ class WorkerLoad(_message.Message):
     KV_STORE_EVICTIONS_L3_FIELD_NUMBER: _ClassVar[int]
     KV_STORE_L2_BYTES_FIELD_NUMBER: _ClassVar[int]
     KV_STORE_L3_BYTES_FIELD_NUMBER: _ClassVar[int]
+    EP_RANK_FIELD_NUMBER: _ClassVar[int]
+    EP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    DUMMY_STEPS_FIELD_NUMBER: _ClassVar[int]
+    EPLB_REARRANGEMENTS_FIELD_NUMBER: _ClassVar[int]
+    MOE_LOAD_IMBALANCE_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     queued_prompt_tokens: int
     running_requests: int
@@ -250,7 +255,12 @@ class WorkerLoad(_message.Message):
     kv_store_evictions_l3: int
     kv_store_l2_bytes: int
     kv_store_l3_bytes: int
-    def __init__(self, worker_id: _Optional[str] = ..., queued_prompt_tokens: _Optional[int] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., total_kv_tokens: _Optional[int] = ..., kv_usage: _Optional[float] = ..., free_blocks: _Optional[int] = ..., num_blocks: _Optional[int] = ..., requests: _Optional[int] = ..., reservations: _Optional[int] = ..., prefix_queries: _Optional[int] = ..., prefix_hits: _Optional[int] = ..., kv_transfer_bytes: _Optional[int] = ..., handoffs: _Optional[int] = ..., draining: _Optional[bool] = ..., open_streams: _Optional[int] = ..., computed_prompt_tokens: _Optional[int] = ..., kv_store_hit_tokens_l2: _Optional[int] = ..., kv_store_hit_tokens_l3: _Optional[int] = ..., kv_store_miss_tokens: _Optional[int] = ..., kv_store_load_bytes_l2: _Optional[int] = ..., kv_store_load_bytes_l3: _Optional[int] = ..., kv_store_saved_bytes: _Optional[int] = ..., kv_store_load_seconds: _Optional[float] = ..., kv_store_load_failures: _Optional[int] = ..., kv_store_corrupt_entries: _Optional[int] = ..., kv_store_evictions_l2: _Optional[int] = ..., kv_store_evictions_l3: _Optional[int] = ..., kv_store_l2_bytes: _Optional[int] = ..., kv_store_l3_bytes: _Optional[int] = ...) -> None: ...
+    ep_rank: int
+    ep_size: int
+    dummy_steps: int
+    eplb_rearrangements: int
+    moe_load_imbalance: float
+    def __init__(self, worker_id: _Optional[str] = ..., queued_prompt_tokens: _Optional[int] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., total_kv_tokens: _Optional[int] = ..., kv_usage: _Optional[float] = ..., free_blocks: _Optional[int] = ..., num_blocks: _Optional[int] = ..., requests: _Optional[int] = ..., reservations: _Optional[int] = ..., prefix_queries: _Optional[int] = ..., prefix_hits: _Optional[int] = ..., kv_transfer_bytes: _Optional[int] = ..., handoffs: _Optional[int] = ..., draining: _Optional[bool] = ..., open_streams: _Optional[int] = ..., computed_prompt_tokens: _Optional[int] = ..., kv_store_hit_tokens_l2: _Optional[int] = ..., kv_store_hit_tokens_l3: _Optional[int] = ..., kv_store_miss_tokens: _Optional[int] = ..., kv_store_load_bytes_l2: _Optional[int] = ..., kv_store_load_bytes_l3: _Optional[int] = ..., kv_store_saved_bytes: _Optional[int] = ..., kv_store_load_seconds: _Optional[float] = ..., kv_store_load_failures: _Optional[int] = ..., kv_store_corrupt_entries: _Optional[int] = ..., kv_store_evictions_l2: _Optional[int] = ..., kv_store_evictions_l3: _Optional[int] = ..., kv_store_l2_bytes: _Optional[int] = ..., kv_store_l3_bytes: _Optional[int] = ..., ep_rank: _Optional[int] = ..., ep_size: _Optional[int] = ..., dummy_steps: _Optional[int] = ..., eplb_rearrangements: _Optional[int] = ..., moe_load_imbalance: _Optional[float] = ...) -> None: ...
 
 class WorkerStatus(_message.Message):
     __slots__ = ("info", "load", "state", "inflight")

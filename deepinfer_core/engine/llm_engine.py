@@ -149,6 +149,19 @@ class LLMEngine(RequestAdmission, SamplingRules):
             requests=len(self.requests),
             prefix_queries=bm.prefix_queries,
             prefix_hits=bm.prefix_hits,
+            **self._expert_parallel_load(),
+        )
+
+    def _expert_parallel_load(self) -> dict:
+        if self.group is None:
+            return {}
+        balancer = self.balancer
+        return dict(
+            ep_rank=self.group.rank,
+            ep_size=self.group.size,
+            dummy_steps=self.worker.runner.num_dummy_steps,
+            eplb_rearrangements=balancer.num_rearrangements if balancer else 0,
+            moe_load_imbalance=(balancer.imbalance or 0.0) if balancer else 0.0,
         )
 
     # ---- the step (SPEC §2) -------------------------------------------------------------

@@ -50,3 +50,11 @@ class EngineLoad:
     """Bytes held in the host pool now."""
     kv_store_l3_bytes: int = 0
     """Bytes of entry files in the store's directory (all engines), as last seen."""
+    # An expert-parallel rank (`deepinfer_core.distributed`; ep_size 1: a single-process engine).
+    ep_rank: int = 0
+    ep_size: int = 1
+    dummy_steps: int = 0
+    """Steps this rank ran with nothing scheduled, to keep its instance's collectives in lockstep."""
+    eplb_rearrangements: int = 0
+    moe_load_imbalance: float = 0.0
+    """max / mean routed tokens per rank of the instance, as last measured (0: not measured)."""

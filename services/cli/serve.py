@@ -18,6 +18,14 @@ def add_parser(sub) -> None:
     p.add_argument("--prefill", type=int, default=1, help="prefill engines (default: 1)")
     p.add_argument("--decode", type=int, default=1, help="decode engines, or NORMAL engines with --colocated")
     p.add_argument("--colocated", action="store_true", help="one NORMAL engine per replica instead of P/D pools")
+    p.add_argument(
+        "--decode-ep",
+        type=int,
+        default=1,
+        help="ranks per decode (or colocated) engine instance: experts sharded over them, attention data-parallel, "
+        "each rank a decode target (default: 1)",
+    )
+    p.add_argument("--prefill-ep", type=int, default=1, help="ranks per prefill engine instance (default: 1)")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/* and gRPC")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument(
@@ -93,7 +101,7 @@ def config_from_args(args: argparse.Namespace):
     for name in ("prefill", "decode"):
         if getattr(args, name) < (0 if name == "prefill" and args.colocated else 1):
             raise ValueError(f"--{name} must be at least 1")
-    return HeadConfig(
+    config = HeadConfig(
         served_model_name=args.served_model_name,
         host=args.host,
         port=args.port,
@@ -114,7 +122,11 @@ def config_from_args(args: argparse.Namespace):
         pools_config=args.pools_config,
         cluster_host=args.cluster_host,
         log_level=args.log_level.upper(),
+        decode_ep=args.decode_ep,
+        prefill_ep=args.prefill_ep,
     )
+    config.check_expert_parallel()
+    return config
 
 
 def run(args: argparse.Namespace) -> int:

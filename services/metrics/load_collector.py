@@ -30,12 +30,27 @@ _GAUGES = [
         "Prompt tokens found in the prefix cache / tokens looked up.",
         lambda x: x.prefix_hits / x.prefix_queries if x.prefix_queries else 0.0,
     ),
+    (
+        "moe_load_imbalance",
+        "Expert-parallel rank: max / mean routed tokens per rank of its instance.",
+        lambda x: x.moe_load_imbalance,
+    ),  # fmt: skip
 ]
 _COUNTERS = [
     ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", lambda x: x.prefix_queries),
     ("prefix_cache_hits", "Prompt tokens found in the prefix cache.", lambda x: x.prefix_hits),
     ("engine_kv_transfer_bytes", "KV bytes this engine wrote to decode engines.", lambda x: x.kv_transfer_bytes),
     ("handoffs", "Prefill-to-decode hand-offs (sent by a PE, received by a CE).", lambda x: x.handoffs),
+    (
+        "eplb_rearrangements",
+        "Expert rearrangements by the expert-parallel load balancer.",
+        lambda x: x.eplb_rearrangements,
+    ),  # fmt: skip
+    (
+        "dummy_steps",
+        "Steps an expert-parallel rank ran with no work, to keep its instance in lockstep.",
+        lambda x: x.dummy_steps,
+    ),  # fmt: skip
 ]
 
 _sources: list[LoadSource] = []

@@ -80,25 +80,28 @@ async def start_instance(instance_id: str, size: int, make_spec: Callable[[str],
             handle = ray.remote(NodeWorkerActor).options(name=worker_id, max_concurrency=4, **options)
             instance.ranks.append((worker_id, handle.remote(make_spec(worker_id))))
         address = await asyncio.wait_for(instance.ranks[0][1].rendezvous_address.remote(), timeout_s)
-        starts = [
-            h.start.remote(InstanceRank(r, size, address, join_timeout_s)) for r, (_, h) in enumerate(instance.ranks)
-        ]
-        await asyncio.wait_for(asyncio.gather(*starts), timeout_s)
+        starts = [_await(h.start.remote(InstanceRank(r, size, address, join_timeout_s)))
+                  for r, (_, h) in enumerate(instance.ranks)]  # fmt: skip
+        results = await asyncio.wait_for(asyncio.gather(*starts, return_exceptions=True), timeout_s)
+        failed = [f"rank {r}: {_why(e)}" for r, e in enumerate(results) if isinstance(e, BaseException)]
+        if failed:
+            raise RuntimeError("; ".join(failed))
     except BaseException as e:
         instance.kill()
-        raise ServiceError(
-            ErrorCode.INTERNAL, f"instance {instance_id} of {size} ranks failed to start: {_why(e)}"
-        ) from e
+        why = "it did not start in time" if isinstance(e, asyncio.TimeoutError) else str(e)
+        raise ServiceError(ErrorCode.INTERNAL, f"instance {instance_id} of {size} ranks failed to start: {why}") from e
     logger.info("started instance %s: %d ranks", instance_id, size)
     return instance
 
 
+async def _await(ref):
+    return await ref
+
+
 def _why(e: BaseException) -> str:
-    if isinstance(e, asyncio.TimeoutError):
-        return "it did not start in time"
-    text = str(e)
-    marker = "did not join the instance"  # a rank's own words, from inside Ray's wrapping
-    for line in text.splitlines():
-        if marker in line:
-            return line.strip()
-    return text.splitlines()[-1] if text else type(e).__name__
+    """A rank's own last words, from inside Ray's wrapping of its exception."""
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    for line in lines:
+        if "did not join the instance" in line:
+            return line
+    return lines[-1] if lines else type(e).__name__

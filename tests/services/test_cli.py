@@ -25,3 +25,14 @@ def test_generate_reports_bad_input_without_a_traceback():
     assert r.returncode == 2 and "max_tokens" in r.stderr and "Traceback" not in r.stderr
     r = _cli("generate", "x", "--model", "/no/such/dir")
     assert r.returncode == 2 and "/no/such/dir" in r.stderr
+
+
+def test_serve_refuses_an_ep_size_the_model_cannot_split_before_starting_anything(tmp_path):
+    r = _cli("serve", "--decode-ep", "3")  # the embedded model has 8 routed experts
+    assert r.returncode == 2 and "--decode-ep 3" in r.stderr and "must divide the 8 routed experts" in r.stderr
+    assert "Traceback" not in r.stderr and "Ray" not in r.stdout
+    from tests.helpers.hf_models import tiny_hf_config
+
+    tiny_hf_config("llama").save_pretrained(tmp_path)
+    r = _cli("serve", "--model", str(tmp_path), "--prefill-ep", "2")
+    assert r.returncode == 2 and "needs a mixture-of-experts model" in r.stderr, r.stderr

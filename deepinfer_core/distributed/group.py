@@ -32,6 +32,8 @@ class InstanceGroup:
     pg: Optional[dist.ProcessGroup] = None
     """None: the default (world) group."""
     collective_timeout_s: float = 60.0
+    store: Optional[dist.Store] = None
+    """The instance's rendezvous store (rank 0 hosts it); `lockstep.PeerMonitor` beats through it."""
 
     def any(self, flag: bool) -> bool:
         """Whether any rank passed True (one small all-reduce: the lockstep beat)."""
@@ -97,7 +99,7 @@ def join_instance(
     _wait_for_ranks(store, rank, size, join_timeout_s)
     timeout = datetime.timedelta(seconds=collective_timeout_s)
     dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=timeout)
-    return InstanceGroup(rank, size, None, collective_timeout_s)
+    return InstanceGroup(rank, size, None, collective_timeout_s, store)
 
 
 def leave_instance() -> None:

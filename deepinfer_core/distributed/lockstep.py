@@ -30,7 +30,8 @@ EXIT_STUCK = 70
 """Exit status of a process the watchdog ends (EX_SOFTWARE)."""
 
 
-def _exit_stuck(message: str) -> None:
+def exit_instance(message: str) -> None:
+    """Log and end this process at once: the default answer to a stuck step or a dead peer."""
     logger.critical("%s; failing the instance", message)
     logging.shutdown()
     os._exit(EXIT_STUCK)
@@ -39,7 +40,7 @@ def _exit_stuck(message: str) -> None:
 class StepWatchdog:
     """A daemon thread failing the process when one guarded beat exceeds `timeout_s`."""
 
-    def __init__(self, timeout_s: float, name: str, on_stuck: Callable[[str], None] = _exit_stuck):
+    def __init__(self, timeout_s: float, name: str, on_stuck: Callable[[str], None] = exit_instance):
         self.timeout_s = timeout_s
         self.name = name
         self.on_stuck = on_stuck
@@ -66,15 +67,62 @@ class StepWatchdog:
                 self.on_stuck(f"{self.name}: a step has been stuck for more than {self.timeout_s:.0f} s")
 
 
+class PeerMonitor:
+    """A daemon thread that notices a dead peer while this rank may be blocked in a collective.
+
+    Each rank bumps its counter `beat/<rank>` in the instance's store every `period_s`; a peer
+    whose counter has not moved for `timeout_s` (killed, frozen), or a store that stops answering
+    (rank 0, its host, is gone), calls `on_stuck`. Counters, not clocks: nodes need no common time.
+    """
+
+    def __init__(self, group: InstanceGroup, timeout_s: float, on_stuck: Callable[[str], None] = exit_instance,
+                 period_s: float = 0.5):  # fmt: skip
+        if group.store is None:
+            raise ValueError("a peer monitor needs the instance's store (join_instance)")
+        self.group = group
+        self.timeout_s = timeout_s
+        self.on_stuck = on_stuck
+        self.period_s = period_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"peers-{group.rank}", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self._stop.set()
+
+    def _run(self) -> None:
+        g = self.group
+        peers = [r for r in range(g.size) if r != g.rank]
+        seen = {r: (None, time.monotonic()) for r in peers}  # rank -> (last counter, when it moved)
+        try:
+            while not self._stop.wait(self.period_s):
+                g.store.add(f"beat/{g.rank}", 1)
+                for r in peers:
+                    value = g.store.add(f"beat/{r}", 0)  # read without waiting for the key
+                    if value != seen[r][0]:
+                        seen[r] = (value, time.monotonic())
+                    elif time.monotonic() - seen[r][1] > self.timeout_s:
+                        self._stop.set()
+                        return self.on_stuck(f"rank {g.rank}/{g.size}: rank {r} stopped answering for "
+                                             f"{self.timeout_s:.0f} s")  # fmt: skip
+        except Exception as e:  # the store's host (rank 0) is gone
+            if not self._stop.is_set():
+                self.on_stuck(f"rank {g.rank}/{g.size}: the instance's store stopped answering ({type(e).__name__})")
+
+
 class LockstepRank:
     """One rank's lockstep driver around its engine."""
 
     def __init__(self, engine, group: InstanceGroup, watchdog_timeout_s: Optional[float] = None,
-                 on_stuck: Callable[[str], None] = _exit_stuck):  # fmt: skip
+                 on_stuck: Callable[[str], None] = exit_instance,
+                 peer_timeout_s: Optional[float] = None):  # fmt: skip
+        """`peer_timeout_s`: also watch the peers (`PeerMonitor`) and call `on_stuck` when one stops
+        beating for that long: a killed rank is noticed before the collectives time out."""
         self.engine = engine
         self.group = group
         limit = watchdog_timeout_s if watchdog_timeout_s is not None else 2 * group.collective_timeout_s
         self.watchdog = StepWatchdog(limit, f"rank {group.rank}/{group.size}", on_stuck)
+        self.peers = PeerMonitor(group, peer_timeout_s, on_stuck) if peer_timeout_s else None
         self.num_beats = 0
         self.num_steps = 0
         self.instance_busy = True
@@ -113,3 +161,5 @@ class LockstepRank:
 
     def close(self) -> None:
         self.watchdog.close()
+        if self.peers is not None:
+            self.peers.close()

@@ -30,6 +30,9 @@ _POLL_WAIT_S = 0.001
 _LOAD_REFRESH_S = 0.05
 _LOCKSTEP_IDLE_WAIT_S = 0.01
 """An idle expert-parallel rank's wait between beats: its peers wait for it in the beat's all-reduce."""
+_PEER_TIMEOUT_S = 10.0
+"""An expert-parallel rank whose peer has not beaten for this long ends its process (the instance is
+broken: the router drops every rank it can no longer reach, the controller replaces the instance)."""
 
 
 class EngineHost:
@@ -53,7 +56,7 @@ class EngineHost:
         if getattr(engine, "group", None) is not None:
             from deepinfer_core.distributed.lockstep import LockstepRank
 
-            self.lockstep = LockstepRank(engine, engine.group)
+            self.lockstep = LockstepRank(engine, engine.group, peer_timeout_s=_PEER_TIMEOUT_S)
 
     def start(self) -> None:
         self._thread.start()
@@ -92,6 +95,10 @@ class EngineHost:
             except Exception as e:  # the engine is broken: fail loudly, stop taking work
                 logger.exception("engine %s failed", self.engine.name)
                 self.error = f"{type(e).__name__}: {e}"
+                if self.lockstep is not None:  # a broken instance: end the process, its peers and router see it
+                    from deepinfer_core.distributed.lockstep import exit_instance
+
+                    exit_instance(f"engine {self.engine.name}: {self.error}")
                 break
         self._fail_pending_calls()
 

@@ -14,6 +14,7 @@ from tests.helpers.ep import RANK_ERROR, drive, make_rank_engine, run_ranks, ser
 
 PROMPTS = [[5, 6, 7, 8, 9], [11, 12, 13], [20, 21, 22, 23, 24, 25, 26]]
 ALL_EVERY, ANY_EVERY = 3, 5
+PEER_TIMEOUT_S = 2.0
 
 
 def _reference(prompts, max_tokens) -> list[list[int]]:
@@ -103,7 +104,9 @@ def _killed_main(group, kill_rank: int, kill_at_beat: int) -> dict:
     from deepinfer_core.distributed.lockstep import LockstepRank
 
     engine = make_rank_engine(group)
-    lock = LockstepRank(engine, group)
+    noticed = []  # the peer monitor's report: (message, when)
+    lock = LockstepRank(engine, group, peer_timeout_s=PEER_TIMEOUT_S,
+                        on_stuck=lambda msg: noticed.append((msg, time.monotonic())))  # fmt: skip
     engine.add_request("a", params=greedy(200), prompt_token_ids=PROMPTS[group.rank])
     killed_at = None
     try:
@@ -115,7 +118,8 @@ def _killed_main(group, kill_rank: int, kill_at_beat: int) -> dict:
             lock.step()
         return {"failed": None}
     except InstanceFailed as e:
-        return {"failed": str(e), "after_s": time.monotonic() - killed_at, "stays_failed": _stays_failed(lock)}
+        return {"failed": str(e), "after_s": time.monotonic() - killed_at, "stays_failed": _stays_failed(lock),
+                "noticed": [(msg, t - killed_at) for msg, t in noticed]}  # fmt: skip
 
 
 def _stays_failed(lock) -> bool:
@@ -138,6 +142,34 @@ def test_a_killed_rank_fails_the_instance_within_the_collective_timeout():
     assert survivor["failed"] and "rank 0/2" in survivor["failed"], survivor
     assert survivor["after_s"] < timeout_s + 5
     assert survivor["stays_failed"]
+    # gloo saw the closed socket, or the peer monitor the missing beats, well before the collective timeout
+    noticed = [after for _, after in survivor["noticed"]]
+    assert min([survivor["after_s"], *noticed]) < PEER_TIMEOUT_S + 3
+
+
+def _silent_peer_main(group) -> list:
+    """Rank 1 stops beating (as a frozen or killed process would); rank 0's monitor reports it."""
+    from deepinfer_core.distributed.lockstep import PeerMonitor
+
+    noticed = []
+    start = time.monotonic()
+    monitor = PeerMonitor(group, PEER_TIMEOUT_S, on_stuck=lambda msg: noticed.append((msg, time.monotonic() - start)))
+    if group.rank == 1:
+        monitor.close()
+    deadline = time.monotonic() + 4 * PEER_TIMEOUT_S
+    while group.rank == 0 and not noticed and time.monotonic() < deadline:
+        time.sleep(0.1)
+    group.any(True)  # rank 1 leaves only after rank 0 has its answer
+    monitor.close()
+    return noticed
+
+
+@pytest.mark.timeout(120)
+def test_the_peer_monitor_reports_a_rank_that_stopped_beating():
+    res = run_ranks(2, _silent_peer_main, (), timeout_s=90)
+    assert res[1] == []
+    (message, after_s), *_ = res[0]
+    assert "rank 0/2: rank 1 stopped answering" in message and PEER_TIMEOUT_S <= after_s < PEER_TIMEOUT_S + 3
 
 
 def _joined(group) -> str:

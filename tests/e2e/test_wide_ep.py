@@ -2,7 +2,10 @@
 gloo), each a decode target of its own. Greedy outputs equal the single-process engine's, the
 requests land on both ranks, and status and /metrics show each rank."""
 
+import os
 import re
+import signal
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -10,7 +13,7 @@ import openai
 import pytest
 
 from deepinfer_core import LLM, SamplingParams
-from tests.helpers.cluster import SMALL_ENGINE, ServeProcess, metric_value
+from tests.helpers.cluster import SMALL_ENGINE, ServeProcess, metric_value, wait_until
 
 PROMPTS = ["Hello, my name is", "The capital of France is", "x", "A much longer prompt " * 12] * 2
 MAX_TOKENS = 12
@@ -62,3 +65,26 @@ def test_status_shows_each_rank_of_the_instance(wide, served):
     r = wide.cli("status")
     assert r.returncode == 0, r.stderr
     assert re.search(r"decode-\d+\.0 .* 0/2", r.stdout) and re.search(r"decode-\d+\.1 .* 1/2", r.stdout), r.stdout
+
+
+@pytest.mark.timeout(400)
+def test_a_killed_rank_fails_its_whole_instance_and_its_streams_end_with_an_error(wide, served):
+    """Last in the module: it breaks the instance. Every stream on either rank ends with an error
+    (the survivor's peer monitor ends its process) and both ranks leave the router: no stream hangs."""
+    from tests.e2e.test_scaling_and_faults import Streams, _status
+
+    streams = Streams(wide, 4, max_tokens=400)
+    assert wait_until(lambda: min(streams.chunks) >= 2, timeout_s=120)  # all four are decoding
+    decode = next(p for p in _status(wide).pools if p.pool == 3)
+    ranks = sorted(decode.workers, key=lambda w: w.info.worker_id)
+    assert {w.inflight for w in ranks} != {0}
+    os.kill(ranks[1].info.pid, signal.SIGKILL)
+    started = time.monotonic()
+    results = streams.join()
+    assert all(errors for _, errors in results), results  # on the killed rank and on its peer alike
+    assert time.monotonic() - started < 60
+
+    def gone() -> bool:
+        return not [w for p in _status(wide).pools if p.pool == 3 for w in p.workers]
+
+    assert wait_until(gone, timeout_s=60), "both ranks of the broken instance left the router"

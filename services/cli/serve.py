@@ -26,6 +26,13 @@ def add_parser(sub) -> None:
         "each rank a decode target (default: 1)",
     )
     p.add_argument("--prefill-ep", type=int, default=1, help="ranks per prefill engine instance (default: 1)")
+    p.add_argument("--enable-eplb", action="store_true", help="instances rearrange experts by measured load")
+    p.add_argument(
+        "--redundant-experts", type=int, default=0, help="extra expert slots per MoE layer, for hot experts' replicas"
+    )
+    p.add_argument(
+        "--eplb-interval", type=int, default=None, help="counted steps between rearrangements (default: the role's)"
+    )
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/* and gRPC")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument(
@@ -90,6 +97,7 @@ def config_from_args(args: argparse.Namespace):
         max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len or None,
         num_gpu_blocks=args.num_blocks or None,
+        eplb=_eplb(args),
     )
     gpus = args.gpus_per_worker
     if gpus is None:
@@ -127,6 +135,14 @@ def config_from_args(args: argparse.Namespace):
     )
     config.check_expert_parallel()
     return config
+
+
+def _eplb(args: argparse.Namespace):
+    if not (args.enable_eplb or args.redundant_experts or args.eplb_interval):
+        return None
+    from deepinfer_core.config import EplbConfig
+
+    return EplbConfig(args.enable_eplb, args.redundant_experts, args.eplb_interval)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -121,8 +121,9 @@ class HeadConfig:
             if ep < 1:
                 raise ValueError(f"{flag} must be at least 1")
             if ep > 1:
+                redundant = self.engine_args.eplb.num_redundant_experts if self.engine_args.eplb else 0
                 try:
-                    check_expert_parallel(num_routed_experts(load_hf_config(self.model_path)), ep)
+                    check_expert_parallel(num_routed_experts(load_hf_config(self.model_path)), ep, redundant)
                 except ValueError as e:
                     raise ValueError(f"{flag} {ep}: {e}") from None
 

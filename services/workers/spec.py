@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Optional
 
-from deepinfer_core.config import PDConfig
+from deepinfer_core.config import EplbConfig, PDConfig
 from deepinfer_core.roles import EngineType, role_profile
 
 
@@ -31,6 +31,8 @@ class EngineSettings:
     max_num_seqs: Optional[int] = None
     pd: PDConfig = PDConfig()
     """The hand-off's clocks: the engines' and the router's (`RouterConfig.pd`) are this one."""
+    eplb: Optional[EplbConfig] = None
+    """The expert-parallel load balancer of every instance rank; None: off, no redundant experts."""
 
     def to_engine_args(self, engine_type: EngineType, rank: Optional[InstanceRank] = None):
         """The `EngineArgs` of an engine of `engine_type` (built in the worker's own process);

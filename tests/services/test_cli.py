@@ -4,6 +4,7 @@ import subprocess
 import sys
 
 from deepinfer_core import LLM, SamplingParams
+from deepinfer_core.roles import EngineType
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
@@ -36,3 +37,20 @@ def test_serve_refuses_an_ep_size_the_model_cannot_split_before_starting_anythin
     tiny_hf_config("llama").save_pretrained(tmp_path)
     r = _cli("serve", "--model", str(tmp_path), "--prefill-ep", "2")
     assert r.returncode == 2 and "needs a mixture-of-experts model" in r.stderr, r.stderr
+
+
+def test_serve_passes_the_balancer_settings_to_every_engine():
+    import argparse
+
+    from services.cli import serve
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--log-level", default="warning")
+    serve.add_parser(parser.add_subparsers())
+    args = parser.parse_args(["serve", "--decode-ep", "3", "--redundant-experts", "1", "--enable-eplb",
+                              "--eplb-interval", "500"])  # fmt: skip
+    config = serve.config_from_args(args)  # 8 experts + 1 redundant slot split over 3 ranks
+    assert config.ep_sizes == {3: 3}
+    eplb = config.engine_args.eplb
+    assert (eplb.enabled, eplb.num_redundant_experts, eplb.rearrange_interval) == (True, 1, 500)
+    assert config.engine_args.to_engine_args(EngineType.COMPLETION).eplb == eplb

@@ -73,12 +73,12 @@ def _ranks_main(group) -> dict:
 
 @pytest.fixture(scope="module")
 def ranks():
-    res = run_ranks(4, _ranks_main, (), timeout_s=300)
+    res = run_ranks(4, _ranks_main, (), timeout_s=540)
     assert sorted(res) == [0, 1, 2, 3] and not any(isinstance(r, str) for r in res.values()), res
     return res
 
 
-@pytest.mark.timeout(400)
+@pytest.mark.timeout(600)
 def test_every_physical_slot_holds_its_expert_after_a_rearrangement(ranks):
     new = ranks[0]["moved"]["new"]
     S = (E + REDUNDANT) // 4

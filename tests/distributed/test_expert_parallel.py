@@ -77,7 +77,7 @@ def models(tmp_path_factory):
 def served(models):
     """What the four ranks generated, per model: {model: {"ep4"|"ep2": [tokens per prompt]}}."""
     args = {name: {"engine_kw": s["engine_kw"], "prompts": s["prompts"]} for name, s in models.items()}
-    results = run_ranks(4, _ranks_main, (args, greedy(MAX_NEW)), timeout_s=400)
+    results = run_ranks(4, _ranks_main, (args, greedy(MAX_NEW)), timeout_s=540)
     errors = [r for r in results.values() if isinstance(r, str) and r.startswith(RANK_ERROR)]
     assert not errors, errors[0]
     assert sorted(results) == [0, 1, 2, 3], f"ranks that reported: {sorted(results)}"

@@ -51,7 +51,7 @@ def _rank_main(rank: int, world: int, address: str, target: Callable, args: tupl
         queue.put((rank, RANK_ERROR + f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
 
 
-def run_ranks(world: int, target: Callable, args: tuple = (), timeout_s: float = 180.0, join_timeout_s: float = 60.0,
+def run_ranks(world: int, target: Callable, args: tuple = (), timeout_s: float = 180.0, join_timeout_s: float = 180.0,
               collective_timeout_s: float = 60.0, ranks: list[int] | None = None) -> dict[int, Any]:  # fmt: skip
     """Run `target(group, *args)` on `world` ranks (or only `ranks` of them: the rest never
     join); {rank: result} of those that reported before `timeout_s`."""

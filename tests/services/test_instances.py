@@ -21,7 +21,8 @@ def ray_local():
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     import ray
 
-    ray.init(num_cpus=1, include_dashboard=False, logging_level="WARNING", log_to_driver=False)
+    # "local": a cluster of its own, even where another Ray runs on this machine
+    ray.init(address="local", num_cpus=1, include_dashboard=False, logging_level="WARNING", log_to_driver=False)
     yield ray
     ray.shutdown()
 

@@ -99,13 +99,14 @@ class ExpertParallel:
             block(torch.zeros(0, w.shape[1], dtype=self.dtype, device=w.device))
 
     def take_load(self) -> torch.Tensor:
-        """[L, E] int64 (CPU): this rank's tokens per logical expert since the last call; resets."""
+        """[L, E] int64 on the experts' device: this rank's tokens per logical expert since the last
+        call (resets). Stays on the device: no host sync per step."""
+        device = self.blocks[0].gate.weight.device
         rows = []
         for block in self.blocks:
             run = block.ep
-            rows.append(
-                run.load.cpu() if run.load is not None else torch.zeros(self.placement.num_experts, dtype=torch.int64)
-            )
+            rows.append(run.load if run.load is not None else torch.zeros(self.placement.num_experts,
+                                                                           dtype=torch.int64, device=device))  # fmt: skip
             run.load = None
         return torch.stack(rows)
 

@@ -34,6 +34,14 @@ class InstanceGroup:
     collective_timeout_s: float = 60.0
     store: Optional[dist.Store] = None
     """The instance's rendezvous store (rank 0 hosts it); `lockstep.PeerMonitor` beats through it."""
+    cpu_pg: Optional[dist.ProcessGroup] = None
+    """A gloo group over the same ranks for host-side control (beats, DP votes, load counts) when
+    `pg` is NCCL; None: `pg` takes CPU tensors already."""
+
+    @property
+    def control_pg(self) -> Optional[dist.ProcessGroup]:
+        """The group for small CPU-tensor collectives."""
+        return self.cpu_pg if self.cpu_pg is not None else self.pg
 
     def any(self, flag: bool) -> bool:
         """Whether any rank passed True (one small all-reduce: the lockstep beat)."""
@@ -42,9 +50,9 @@ class InstanceGroup:
         return bool(t.item())
 
     def all_reduce(self, t: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
-        """In-place all-reduce; a broken peer raises InstanceFailed naming this rank."""
+        """In-place all-reduce of a CPU tensor (over `control_pg`); a broken peer raises InstanceFailed."""
         try:
-            dist.all_reduce(t, op=op, group=self.pg)
+            dist.all_reduce(t, op=op, group=self.control_pg)
         except RuntimeError as e:
             raise InstanceFailed(f"rank {self.rank}/{self.size}: all-reduce failed: {e}") from e
         return t
@@ -99,7 +107,8 @@ def join_instance(
     _wait_for_ranks(store, rank, size, join_timeout_s)
     timeout = datetime.timedelta(seconds=collective_timeout_s)
     dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=timeout)
-    return InstanceGroup(rank, size, None, collective_timeout_s, store)
+    cpu_pg = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else None
+    return InstanceGroup(rank, size, None, collective_timeout_s, store, cpu_pg)
 
 
 def leave_instance() -> None:

@@ -60,6 +60,7 @@ class ExpertPlacement:
         if int(self.logcnt.min()) < 1:
             raise ValueError("a placement must hold every logical expert at least once")
         self.log2phy = torch.full((L, self.num_experts, int(self.logcnt.max())), -1, dtype=torch.int64)
+        self._on_device: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}  # (logcnt, log2phy) copies
         seen = torch.zeros(L, self.num_experts, dtype=torch.int64)
         for layer in range(L):
             for p, e in enumerate(self.phy2log[layer].tolist()):
@@ -86,9 +87,12 @@ class ExpertPlacement:
     def to_physical(self, layer: int, ids: torch.Tensor, rank: int) -> torch.Tensor:
         """[T, k] logical ids -> [T, k] physical slots. A token spreads over an expert's replicas by
         its position (offset by rank, so that ranks do not all pick the first replica)."""
-        cnt = self.logcnt[layer].to(ids.device)[ids]  # [T, k]
+        if ids.device not in self._on_device:  # copied once per placement, not per layer and step
+            self._on_device[ids.device] = (self.logcnt.to(ids.device), self.log2phy.to(ids.device))
+        logcnt, log2phy = self._on_device[ids.device]
+        cnt = logcnt[layer][ids]  # [T, k]
         pos = torch.arange(ids.shape[0], device=ids.device).unsqueeze(1) + rank
-        return self.log2phy[layer].to(ids.device)[ids, pos % cnt]
+        return log2phy[layer][ids, pos % cnt]
 
     def rank_load(self, load: torch.Tensor) -> torch.Tensor:
         """[L, E] logical load -> [L, N] tokens per rank, a replicated expert's load split evenly."""

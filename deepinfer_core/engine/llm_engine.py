@@ -88,7 +88,7 @@ class LLMEngine(RequestAdmission, SamplingRules):
         self.cache = self.worker.init_cache(num_blocks)
         dp_vote = None
         if self.role.votes_on_step_kind and self.config.parallel.data_parallel_size > 1:
-            dp_vote = DPVote(dp_group if dp_group is not None or self.group is None else self.group.pg)
+            dp_vote = DPVote(dp_group if dp_group is not None or self.group is None else self.group.control_pg)
         slots = self.cache.states.shape[0] if self.cache.states is not None else 0
         self.scheduler = Scheduler(self.config.scheduler, self.config.cache, num_blocks, dp_vote, slots)
         self.balancer = self._build_balancer()

@@ -40,8 +40,9 @@ class ExpertBalancer:
         nodes = ep.group.size // config.ranks_per_node if config.ranks_per_node else 1
         self.num_nodes = max(1, nodes)
         self.num_groups = ep.blocks[0].routing.n_group
-        self.window = torch.zeros(ep.placement.num_layers, ep.placement.num_experts, dtype=torch.int64)
-        """[L, E] this rank's tokens per logical expert since the last rearrangement."""
+        device = ep.blocks[0].gate.weight.device  # counted where the routing runs: no host sync per step
+        self.window = torch.zeros(ep.placement.num_layers, ep.placement.num_experts, dtype=torch.int64, device=device)
+        """[L, E] this rank's tokens per logical expert since the last rearrangement (on the device)."""
         self._seen_steps = 0
         self.num_rearrangements = 0
         self.imbalance: Optional[float] = None
@@ -54,7 +55,7 @@ class ExpertBalancer:
         self.window += self.ep.take_load()
         if not counted or balance_steps % self.measure_interval:
             return False
-        load = self.ep.group.all_reduce(self.window.clone())  # [L, E] over the instance
+        load = self.ep.group.all_reduce(self.window.to("cpu", copy=True))  # [L, E] over the instance
         self.imbalance = imbalance(self.ep.placement.rank_load(load))
         if not self.enabled or balance_steps % self.interval:
             return False

@@ -105,16 +105,57 @@ class ParallelConfig:
     context_parallel_size: int = 1
     expert_parallel_size: int = 1
 
+    """Ranks the routed experts are sharded over; each is also a DP-attention rank, so it equals
+    `data_parallel_size` when > 1 (one instance of that many ranks, `deepinfer_core.distributed`)."""
+
     def __post_init__(self) -> None:
         for name in ("data_parallel_size", "context_parallel_size", "expert_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not 0 <= self.data_parallel_rank < self.data_parallel_size:
             raise ValueError(f"data_parallel_rank={self.data_parallel_rank} outside [0, {self.data_parallel_size})")
+        if self.expert_parallel_size > 1 and self.expert_parallel_size != self.data_parallel_size:
+            raise ValueError(
+                f"expert_parallel_size={self.expert_parallel_size} needs data_parallel_size equal to it "
+                f"(every expert-parallel rank is a DP-attention rank), got {self.data_parallel_size}"
+            )
 
     @property
     def role(self) -> RoleProfile:
         return role_profile(self.engine_type)
+
+
+EPLB_POLICIES = ("hierarchical", "global")
+
+
+@dataclass(frozen=True)
+class EplbConfig:
+    """The expert-parallel load balancer (SPEC §1 last row, §6; `deepinfer_core/eplb/`)."""
+
+    enabled: bool = False
+    """Rearrange experts by measured load (expert parallelism counts the load either way)."""
+    num_redundant_experts: int = 0
+    """Extra physical expert slots per MoE layer, for replicas of hot experts."""
+    rearrange_interval: Optional[int] = None
+    """Counted steps between rearrangements; None: the role's `eplb_interval`."""
+    policy: Optional[str] = None
+    """"hierarchical" or "global"; None: the role's `eplb_policy`."""
+    ranks_per_node: int = 0
+    """Hierarchical policy: ranks sharing a node (0: one node holds every rank)."""
+    measure_interval: int = 100
+    """Counted steps between measurements of the load imbalance (one small all-reduce each)."""
+
+    def __post_init__(self) -> None:
+        if self.num_redundant_experts < 0:
+            raise ValueError(f"num_redundant_experts must be >= 0, got {self.num_redundant_experts}")
+        if self.rearrange_interval is not None and self.rearrange_interval < 1:
+            raise ValueError(f"rearrange_interval must be >= 1, got {self.rearrange_interval}")
+        if self.policy is not None and self.policy not in EPLB_POLICIES:
+            raise ValueError(f"unknown EPLB policy {self.policy!r}; choose one of {', '.join(EPLB_POLICIES)}")
+        if self.ranks_per_node < 0:
+            raise ValueError(f"ranks_per_node must be >= 0, got {self.ranks_per_node}")
+        if self.measure_interval < 1:
+            raise ValueError(f"measure_interval must be >= 1, got {self.measure_interval}")
 
 
 @dataclass(frozen=True)
@@ -280,6 +321,7 @@ class EngineConfig:
     enforce_eager: bool = False
     pd: PDConfig = PDConfig()
     kv_store: KVStoreConfig = KVStoreConfig()
+    eplb: EplbConfig = EplbConfig()
 
     @property
     def engine_type(self) -> EngineType:

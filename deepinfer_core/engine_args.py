@@ -13,6 +13,7 @@ from deepinfer_core.builtin import TINY_MODEL_DIR
 from deepinfer_core.config import (
     CacheConfig,
     EngineConfig,
+    EplbConfig,
     KVStoreConfig,
     ModelConfig,
     ParallelConfig,
@@ -20,6 +21,7 @@ from deepinfer_core.config import (
     SchedulerConfig,
     parse_dtype,
 )
+from deepinfer_core.distributed.placement import check_expert_parallel
 from deepinfer_core.roles import EngineType, role_profile
 
 
@@ -76,6 +78,8 @@ class EngineArgs:
     num_speculative_tokens: Optional[int] = None
     """MTP draft tokens per decode step (nextn); None: DEEPINFER_USE_NEXTN_DECODE. Ignored by a
     role that does not decode (a PE)."""
+    eplb: Optional[EplbConfig] = None
+    """The expert-parallel load balancer; None: `EplbConfig()` (off, no redundant experts)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.engine_type, int):
@@ -152,6 +156,12 @@ class EngineArgs:
             context_parallel_size=self.context_parallel_size,
             expert_parallel_size=self.expert_parallel_size,
         )
+        from deepinfer_core.models.hf_config import num_routed_experts
+
+        eplb = self.eplb or EplbConfig()
+        if self.expert_parallel_size > 1 or eplb.num_redundant_experts:  # fail before any rank starts
+            check_expert_parallel(num_routed_experts(model.hf_config), self.expert_parallel_size,
+                                  eplb.num_redundant_experts)  # fmt: skip
         return EngineConfig(
             model=model,
             cache=cache,
@@ -161,4 +171,5 @@ class EngineArgs:
             enforce_eager=self.enforce_eager or envs.DEEPINFER_ENFORCE_EAGER,
             pd=self.pd or PDConfig(),
             kv_store=self.kv_store or KVStoreConfig(),
+            eplb=eplb,
         )

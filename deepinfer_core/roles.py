@@ -60,6 +60,11 @@ class RoleProfile:
     eplb_counts_every_step: bool
     """The expert balancer's step count (`Scheduler.expert_balance_steps`) advances on every
     step; False: not on prefill steps, nor on the step right after one."""
+    eplb_policy: Literal["hierarchical", "global"]
+    """The balancer's default policy (`ExpertBalancer`): hierarchical for prefill instances (small EP,
+    few nodes: keep expert groups inside a node), global for decode (wide EP)."""
+    eplb_interval: int
+    """Counted steps between rearrangements by default (the seed: decode ~10,000, prefill ~1,000)."""
     hands_off_prompts: bool
     """The step's post-process hands prefilled sequences off (`send_processed_prompts`)."""
     finalizes_finished_seqs: bool
@@ -104,6 +109,8 @@ _PROFILES = {
         reserves_capacity_on_add=True,
         requires_stop_preempted_request=False,
         eplb_counts_every_step=False,
+        eplb_policy="hierarchical",
+        eplb_interval=1000,
         hands_off_prompts=False,
         finalizes_finished_seqs=True,
         init_pd_split=False,
@@ -122,6 +129,8 @@ _PROFILES = {
         reserves_capacity_on_add=False,
         requires_stop_preempted_request=False,
         eplb_counts_every_step=True,
+        eplb_policy="hierarchical",
+        eplb_interval=1000,
         hands_off_prompts=True,
         finalizes_finished_seqs=False,
         init_pd_split=True,
@@ -140,6 +149,8 @@ _PROFILES = {
         reserves_capacity_on_add=False,
         requires_stop_preempted_request=True,
         eplb_counts_every_step=True,
+        eplb_policy="global",
+        eplb_interval=10_000,
         hands_off_prompts=False,
         finalizes_finished_seqs=True,
         init_pd_split=True,

@@ -37,6 +37,8 @@ from deepinfer_core.worker.model_runner import StepResult
 from deepinfer_core.worker.worker import Worker
 
 if TYPE_CHECKING:
+    from deepinfer_core.distributed.group import InstanceGroup
+    from deepinfer_core.eplb.balancer import ExpertBalancer
     from deepinfer_core.transfer.nixl_agent import NixlKVAgent
 
 logger = logging.getLogger(__name__)
@@ -46,8 +48,11 @@ class LLMEngine(RequestAdmission, SamplingRules):
     agent: Optional[NixlKVAgent] = None
     """The KV transfer agent of a PE or CE (set by `init_pd_split`); None on a NORMAL engine."""
 
-    def __init__(self, config: EngineConfig, tokenizer=None, dp_group=None):
+    def __init__(self, config: EngineConfig, tokenizer=None, dp_group=None, group: Optional[InstanceGroup] = None):
+        """`group`: this rank's instance (expert parallelism: N ranks stepping in lockstep, see
+        `deepinfer_core.distributed.lockstep`); `dp_group`: a process group for the DP vote alone."""
         self.config = config
+        self.group = group
         self.engine_type = config.engine_type
         self.role = config.role
         if config.parallel.context_parallel_size > 1:
@@ -63,7 +68,7 @@ class LLMEngine(RequestAdmission, SamplingRules):
         self._step_in_flight: Optional[InFlightStep] = None
         """Zero-overhead scheduling: the launched step whose tokens are not read back yet."""
         self.tokenizer = tokenizer if tokenizer is not None else self._load_tokenizer()
-        self.worker = Worker(config)
+        self.worker = Worker(config, group)
         self.mm_processor = self._build_mm_processor()
         self.requests: dict[str, RequestState] = {}
         self._seq_ids = itertools.count()
@@ -85,9 +90,10 @@ class LLMEngine(RequestAdmission, SamplingRules):
         self.cache = self.worker.init_cache(num_blocks)
         dp_vote = None
         if self.role.votes_on_step_kind and self.config.parallel.data_parallel_size > 1:
-            dp_vote = DPVote(dp_group)
+            dp_vote = DPVote(dp_group if dp_group is not None or self.group is None else self.group.control_pg)
         slots = self.cache.states.shape[0] if self.cache.states is not None else 0
         self.scheduler = Scheduler(self.config.scheduler, self.config.cache, num_blocks, dp_vote, slots)
+        self.balancer = self._build_balancer()
         if self.role.init_pd_split:
             self.init_pd_split()
 
@@ -102,6 +108,14 @@ class LLMEngine(RequestAdmission, SamplingRules):
         return SpecDecoder(
             self.worker.runner, self.worker.draft, self.scheduler, nextn, self.config.scheduler.max_num_seqs
         )
+
+    def _build_balancer(self) -> Optional[ExpertBalancer]:
+        """The expert-parallel load balancer of an EP rank; None without expert parallelism."""
+        if self.worker.ep is None:
+            return None
+        from deepinfer_core.eplb.balancer import ExpertBalancer
+
+        return ExpertBalancer(self.worker.ep, self.config.eplb, self.role)
 
     @property
     def copy_state(self) -> Optional[torch.Tensor]:
@@ -154,6 +168,19 @@ class LLMEngine(RequestAdmission, SamplingRules):
             spec_accepted_tokens=spec.accepted_tokens if spec else 0,
             spec_proposed_per_position=list(spec.proposed_at) if spec else [],
             spec_accepted_per_position=list(spec.accepted_at) if spec else [],
+            **self._expert_parallel_load(),
+        )
+
+    def _expert_parallel_load(self) -> dict:
+        if self.group is None:
+            return {}
+        balancer = self.balancer
+        return dict(
+            ep_rank=self.group.rank,
+            ep_size=self.group.size,
+            dummy_steps=self.worker.runner.num_dummy_steps,
+            eplb_rearrangements=balancer.num_rearrangements if balancer else 0,
+            moe_load_imbalance=(balancer.imbalance or 0.0) if balancer else 0.0,
         )
 
     # ---- the step (SPEC §2) -------------------------------------------------------------
@@ -162,6 +189,8 @@ class LLMEngine(RequestAdmission, SamplingRules):
         launched here stays in flight, and what this call returns is the previous step's outputs."""
         outputs, prev = self._settle_step_in_flight()
         out = self.scheduler.schedule()
+        if self.balancer is not None:  # EPLB measures and rearranges on the role's counted steps
+            self.balancer.on_step(self.scheduler.expert_balance_steps)
         self.post_schedule(out)
         if not out.prompt_run and self.copy_state is not None:
             to_copy = [s for s in out.scheduled_seqs if self.should_copy_state(s)]

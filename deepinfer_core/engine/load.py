@@ -67,3 +67,11 @@ class EngineLoad:
     """[nextn]: drafts verified at draft position j (1st, 2nd, ... token after the last one)."""
     spec_accepted_per_position: list[int] = field(default_factory=list)
     """[nextn]: of which accepted (acceptance rate at j = accepted / proposed)."""
+    # An expert-parallel rank (`deepinfer_core.distributed`; ep_size 1: a single-process engine).
+    ep_rank: int = 0
+    ep_size: int = 1
+    dummy_steps: int = 0
+    """Steps this rank ran with nothing scheduled, to keep its instance's collectives in lockstep."""
+    eplb_rearrangements: int = 0
+    moe_load_imbalance: float = 0.0
+    """max / mean routed tokens per rank of the instance, as last measured (0: not measured)."""

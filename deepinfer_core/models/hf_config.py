@@ -64,3 +64,11 @@ def normalize_hf_config(config: dict[str, Any]) -> dict[str, Any]:
         config["rope_theta"] = params["rope_theta"]
         config["rope_scaling"] = dict(params) if params["rope_type"] != "default" else None
     return config
+
+
+def num_routed_experts(config: dict[str, Any]) -> int:
+    """Routed experts per MoE layer (0 for a dense model), whatever the family calls them; a
+    multimodal wrapper's are its language model's."""
+    if isinstance(config.get("text_config"), dict):
+        return num_routed_experts(config["text_config"])
+    return int(config.get("n_routed_experts") or config.get("num_experts") or config.get("num_local_experts") or 0)

@@ -30,7 +30,7 @@ from __future__ import annotations
 import json
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -51,8 +51,13 @@ _PROGRESS_MIN_TENSORS = 64
 _MAX_LISTED = 10
 
 
-def load_model(model_config: ModelConfig, device: str | torch.device) -> nn.Module:
+def load_model(
+    model_config: ModelConfig, device: str | torch.device, shard: Callable[[nn.Module], None] | None = None
+) -> nn.Module:
     """The model of `model_config` on `device`, weights loaded, in eval mode.
+
+    `shard(model)` (expert parallelism) runs before checkpoint weights load and after seeded
+    weights are drawn, so a rank's slice of a seeded model equals the whole model's.
 
     Raises:
         FileNotFoundError: the directory, its weights or an indexed shard is missing.
@@ -72,7 +77,9 @@ def load_model(model_config: ModelConfig, device: str | torch.device) -> nn.Modu
         init_dummy_weights(model, model_config.seed, std)
     elif shards is None:
         init_builtin_weights(model, model_config.seed, std)
-    else:
+    if shard is not None:
+        shard(model)
+    if shards is not None:
         load_checkpoint(model, shards, fp8_block)
     return model.eval()
 

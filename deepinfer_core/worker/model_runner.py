@@ -12,7 +12,7 @@ from __future__ import annotations
 import itertools
 import logging
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 from torch import nn
@@ -25,6 +25,9 @@ from deepinfer_core.scheduler.outputs import SchedulerOutputs
 from deepinfer_core.worker.cache_engine import CacheEngine
 from deepinfer_core.worker.events import to_device
 from deepinfer_core.worker.input_batch import ModelInput, build_model_input, placeholder_input
+
+if TYPE_CHECKING:
+    from deepinfer_core.distributed.expert_parallel import ExpertParallel
 
 logger = logging.getLogger(__name__)
 
@@ -83,14 +86,23 @@ class _QueuedStep:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model: nn.Module, device: torch.device):
+    def __init__(
+        self, config: EngineConfig, model: nn.Module, device: torch.device, ep: Optional[ExpertParallel] = None
+    ):
         self.config = config
         self.model = model
         self.device = device
         self.block_size = config.cache.block_size
         self.sampler = Sampler()
         self.cache: Optional[CacheEngine] = None
-        self.use_cuda_graph = not config.enforce_eager and config.role.cuda_graphs_allowed and device.type == "cuda"
+        self.ep = ep
+        """Expert parallelism: every launch enters the MoE collectives, a step with no work too."""
+        self.num_dummy_steps = 0
+        """Steps with nothing scheduled that ran a dummy forward to keep the instance in lockstep."""
+        # all-to-all with per-step split sizes is not graph-capturable: EP ranks run decode eagerly
+        self.use_cuda_graph = (
+            not config.enforce_eager and config.role.cuda_graphs_allowed and device.type == "cuda" and ep is None
+        )
         self.graphs = None  # decode CUDA graphs, captured after the cache exists
         self.forward_event: Optional[torch.cuda.Event] = None
         """Recorded after the last launched forward (CUDA): KV of that step is written once it completes."""
@@ -114,6 +126,10 @@ class ModelRunner:
         if out.is_empty:
             if out.prompt_run:
                 self._forward(placeholder_input(self.device))  # fixed beat; result discarded
+            elif self.ep is not None:
+                self.ep.dummy_forward()  # zero tokens, the same collectives as the ranks with work
+            if self.ep is not None:
+                self.num_dummy_steps += 1
             return StepHandle(lambda: StepResult([], [], []))
         inp = build_model_input(out.scheduled_seqs, out.num_new_tokens, self.block_size, self.device)
         if fill is not None and fill.rows:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
@@ -10,11 +11,16 @@ from deepinfer_core.config import EngineConfig
 from deepinfer_core.worker.cache_engine import CacheEngine
 from deepinfer_core.worker.model_runner import ModelRunner
 
+if TYPE_CHECKING:
+    from deepinfer_core.distributed.expert_parallel import ExpertParallel
+    from deepinfer_core.distributed.group import InstanceGroup
+
 logger = logging.getLogger(__name__)
 
 
 class Worker:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, group: Optional[InstanceGroup] = None):
+        """`group`: the instance's ranks, required with expert_parallel_size > 1."""
         from deepinfer_core.models.loader import load_model
 
         self.config = config
@@ -23,14 +29,33 @@ class Worker:
             if self.device.index is None:  # 'cuda' means the current device; pin it so every tensor agrees
                 self.device = torch.device("cuda", torch.cuda.current_device())
             torch.cuda.set_device(self.device)
-        self.model = load_model(config.model, self.device)
+        self.ep: Optional[ExpertParallel] = None
+        """Expert-parallel state of this rank (placement, load counters); None without EP."""
+        self.model = load_model(config.model, self.device, self._expert_parallel_shard(group))
         self.draft = None
         """The MTP draft layer, loaded only where the role drafts (`num_speculative_tokens` > 0)."""
         if config.scheduler.num_speculative_tokens > 0:
             from deepinfer_core.spec_decode.draft_model import load_mtp
 
             self.draft = load_mtp(config.model, self.device, self.model)
-        self.runner = ModelRunner(config, self.model, self.device)
+        self.runner = ModelRunner(config, self.model, self.device, self.ep)
+
+    def _expert_parallel_shard(self, group: Optional[InstanceGroup]):
+        """The loader's shard step of an expert-parallel rank, or None."""
+        ep_size = self.config.parallel.expert_parallel_size
+        if ep_size == 1:
+            return None
+        if group is None or group.size != ep_size:
+            raise ValueError(f"expert_parallel_size={ep_size} needs the instance's group of {ep_size} ranks "
+                             "(deepinfer_core.distributed.group.join_instance)")  # fmt: skip
+
+        def shard(model) -> None:
+            from deepinfer_core.distributed.expert_parallel import apply_expert_parallel
+
+            self.ep = apply_expert_parallel(model, group, self.config.model.dtype,
+                                            self.config.eplb.num_redundant_experts)  # fmt: skip
+
+        return shard
 
     @property
     def num_draft_kv_layers(self) -> int:

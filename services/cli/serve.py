@@ -31,6 +31,21 @@ def add_parser(sub) -> None:
         help="vision encoders (images are encoded there; prefill engines read the embeddings over NIXL); "
         "default: 1 for a model with a vision tower, served P/D; 0 = engines encode in process",
     )
+    p.add_argument(
+        "--decode-ep",
+        type=int,
+        default=1,
+        help="ranks per decode (or colocated) engine instance: experts sharded over them, attention data-parallel, "
+        "each rank a decode target (default: 1)",
+    )
+    p.add_argument("--prefill-ep", type=int, default=1, help="ranks per prefill engine instance (default: 1)")
+    p.add_argument("--enable-eplb", action="store_true", help="instances rearrange experts by measured load")
+    p.add_argument(
+        "--redundant-experts", type=int, default=0, help="extra expert slots per MoE layer, for hot experts' replicas"
+    )
+    p.add_argument(
+        "--eplb-interval", type=int, default=None, help="counted steps between rearrangements (default: the role's)"
+    )
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument(
         "--block-size", type=int, default=None, help="tokens per KV block (default: 64 for MLA models on CUDA, else 16)"
@@ -190,6 +205,7 @@ def config_from_args(args: argparse.Namespace):
         num_gpu_blocks=args.num_blocks or None,
         kv_store=kv_store_args.config_from_args(args),
         pd=PDConfig(local_prefill_tokens=args.local_prefill_tokens),
+        eplb=_eplb(args),
     )
     gpus = args.gpus_per_worker
     if gpus is None:
@@ -203,7 +219,7 @@ def config_from_args(args: argparse.Namespace):
     for name in ("prefill", "decode"):
         if getattr(args, name) < (0 if name == "prefill" and args.colocated else 1):
             raise ValueError(f"--{name} must be at least 1")
-    return HeadConfig(
+    config = HeadConfig(
         encoder=_encoders(args),
         served_model_name=args.served_model_name,
         host=args.host,
@@ -230,7 +246,19 @@ def config_from_args(args: argparse.Namespace):
         migration_limit=args.migration_limit,
         log_level=args.log_level.upper(),
         media=_media_limits(args),
+        decode_ep=args.decode_ep,
+        prefill_ep=args.prefill_ep,
     )
+    config.check_expert_parallel()
+    return config
+
+
+def _eplb(args: argparse.Namespace):
+    if not (args.enable_eplb or args.redundant_experts or args.eplb_interval):
+        return None
+    from deepinfer_core.config import EplbConfig
+
+    return EplbConfig(args.enable_eplb, args.redundant_experts, args.eplb_interval)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -26,6 +26,7 @@ from deepinfer_core.multimodal.encoder_config import EncoderConfig
 from services.common.errors import ErrorCode, ServiceError
 from services.common.workers import POOL_NAMES
 from services.controller.healing import PoolHealer
+from services.controller.instances import Instance, start_instance
 from services.controller.placement import PoolPlacement, unplaceable_reason
 from services.router.core import RouterCore
 from services.workers.spec import EngineSettings, WorkerSpec
@@ -56,6 +57,10 @@ class PoolSpec:
     """The cluster credential each worker's server asks for and its registration carries."""
     reflection: bool = False
     """Workers serve gRPC reflection."""
+    ep_sizes: dict[int, int] = field(default_factory=dict)
+    """Per pool: ranks of each engine instance (expert parallelism, `instances.py`); absent: 1."""
+    join_timeout_s: float = 120.0
+    """A rank of an instance that has not joined its peers after this long fails the instance."""
 
 
 @dataclass
@@ -66,6 +71,15 @@ class _Actor:
     registered: bool = False
     """Started and registered with the router."""
     draining: bool = False
+    instance: Optional[Instance] = None
+    """An expert-parallel instance: its ranks (each a worker of its own) and placement group."""
+
+    def worker_ids(self, worker_id: str) -> list[str]:
+        """The router's workers of this entry: the instance's ranks, or the engine itself."""
+        return [w for w, _ in self.instance.ranks] if self.instance else [worker_id]
+
+    def handles(self) -> list:
+        return [h for _, h in self.instance.ranks] if self.instance else [self.handle]
 
 
 class ClusterController:
@@ -152,6 +166,8 @@ class ClusterController:
 
         worker_id = f"{POOL_NAMES[pool]}-{next(self._ids)}"
         placement = self.spec.placements.get(pool, PoolPlacement())
+        if self.spec.ep_sizes.get(pool, 1) > 1:
+            return await self._start_instance(pool, worker_id, placement)
         options = placement.actor_options(self.spec.gpus_per_worker)
         handle = (
             ray.remote(NodeWorkerActor)
@@ -173,6 +189,21 @@ class ClusterController:
         self.healer.watch(worker_id, handle)
         logger.info("started %s (%s)", worker_id, options)
         return worker_id
+
+    async def _start_instance(self, pool: int, instance_id: str, placement: PoolPlacement) -> str:
+        """An expert-parallel instance: every rank placed, started and registered, or none left."""
+        size = self.spec.ep_sizes[pool]
+        self.actors[instance_id] = _Actor(pool, None)
+        try:
+            instance = await start_instance(
+                instance_id, size, lambda w: self._worker_spec(w, pool), self.spec.gpus_per_worker,
+                placement.resource, self.spec.start_timeout_s, self.spec.join_timeout_s,
+            )  # fmt: skip
+        except BaseException:
+            self.actors.pop(instance_id, None)
+            raise
+        self.actors[instance_id] = _Actor(pool, None, registered=True, instance=instance)
+        return instance_id
 
     def _worker_spec(self, worker_id: str, pool: int) -> WorkerSpec:
         s = self.spec
@@ -242,9 +273,19 @@ class ClusterController:
     async def _drain(self, worker_id: str, timeout_s: float) -> None:
         actor = self.actors[worker_id]
         actor.draining = True
+        deadline = time.monotonic() + timeout_s
+        for rank_id in actor.worker_ids(worker_id):  # an instance leaves whole: every rank drains first
+            await self._drain_worker(rank_id, actor, deadline, timeout_s)
+        stops = [asyncio.wait_for(_await(h.stop.remote()), 30) for h in actor.handles()]  # ranks stop together
+        for result in await asyncio.gather(*stops, return_exceptions=True):
+            if isinstance(result, BaseException):  # already gone
+                logger.warning("stopping %s: %s", worker_id, result)
+        self.forget(worker_id)
+        logger.info("drained and stopped %s", worker_id)
+
+    async def _drain_worker(self, worker_id: str, actor: _Actor, deadline: float, timeout_s: float) -> None:
         registry = self.router.registry
         handle = registry.drain(worker_id)
-        deadline = time.monotonic() + timeout_s
         if handle is not None:
             try:
                 await handle.client.drain(10.0)
@@ -257,16 +298,12 @@ class ClusterController:
                     actor.draining = False
                     raise
             await registry.remove(worker_id)
-        try:
-            await asyncio.wait_for(actor.handle.stop.remote(), 30)
-        except Exception as e:  # already gone
-            logger.warning("stopping %s: %s", worker_id, e)
-        self.forget(worker_id)
-        logger.info("drained and stopped %s", worker_id)
 
     def _lost(self, worker_id: str, actor: _Actor) -> bool:
-        """A registered engine the router no longer lists, and not one being drained: it died."""
-        return actor.registered and not actor.draining and worker_id not in self.router.registry.workers
+        """A registered engine the router no longer lists (any rank of an instance), and not one being
+        drained: it died."""
+        workers = self.router.registry.workers
+        return actor.registered and not actor.draining and any(w not in workers for w in actor.worker_ids(worker_id))
 
     def forget(self, worker_id: str) -> None:
         """Stop tracking (and kill) an engine's actor."""
@@ -274,7 +311,9 @@ class ClusterController:
 
         self.healer.unwatch(worker_id)
         actor = self.actors.pop(worker_id, None)
-        if actor is not None:
+        if actor is not None and actor.instance is not None:
+            actor.instance.kill()  # every rank and the placement group
+        elif actor is not None:
             try:
                 ray.kill(actor.handle)
             except Exception:  # the actor is gone already

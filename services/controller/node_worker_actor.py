@@ -21,6 +21,15 @@ class NodeWorkerActor(WorkerActor):
             spec = dataclasses.replace(spec, host=ray.util.get_node_ip_address())
         super().__init__(spec)
 
+    def rendezvous_address(self) -> str:
+        """ "host:port" free on this node, where rank 0 of an instance hosts the instance's rendezvous."""
+        import socket
+
+        host = self.server.spec.host
+        with socket.socket() as s:
+            s.bind((host, 0))
+            return f"{host}:{s.getsockname()[1]}"
+
     def node_id(self) -> str:
         """The Ray node this engine runs on."""
         import ray

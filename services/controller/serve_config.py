@@ -37,6 +37,10 @@ class HeadConfig:
     engines encode in process."""
     colocated: bool = False
     """One NORMAL engine per replica (`decode` replicas) instead of P/D pools."""
+    decode_ep: int = 1
+    """Ranks of each decode (or colocated) engine instance: expert parallelism with DP attention."""
+    prefill_ep: int = 1
+    """Ranks of each prefill engine instance."""
     engine_args: EngineSettings = EngineSettings()
     """Every engine's settings (model, sizes, the P/D clocks `pd` that the router follows too)."""
     api_keys: tuple[str, ...] = field(default=(), repr=False)
@@ -136,6 +140,28 @@ class HeadConfig:
             vision=VisionInfo.from_model(self.model_path),
         )
 
+    @property
+    def ep_sizes(self) -> dict[int, int]:
+        """Ranks per engine instance of each pool (pools of single-process engines left out)."""
+        decode_pool = POOL_COLOCATED if self.colocated else POOL_DECODE
+        sizes = {decode_pool: self.decode_ep, POOL_PREFILL: self.prefill_ep}
+        return {pool: n for pool, n in sizes.items() if n > 1}
+
+    def check_expert_parallel(self) -> None:
+        """ValueError, before anything starts, when the model cannot be split over the EP sizes."""
+        from deepinfer_core.distributed.placement import check_expert_parallel
+        from deepinfer_core.models.hf_config import load_hf_config, num_routed_experts
+
+        for flag, ep in (("--decode-ep", self.decode_ep), ("--prefill-ep", self.prefill_ep)):
+            if ep < 1:
+                raise ValueError(f"{flag} must be at least 1")
+            if ep > 1:
+                redundant = self.engine_args.eplb.num_redundant_experts if self.engine_args.eplb else 0
+                try:
+                    check_expert_parallel(num_routed_experts(load_hf_config(self.model_path)), ep, redundant)
+                except ValueError as e:
+                    raise ValueError(f"{flag} {ep}: {e}") from None
+
     def pool_spec(self) -> PoolSpec:
         return PoolSpec(
             engine_args=self.engine_args,
@@ -147,4 +173,5 @@ class HeadConfig:
             encoder=self.encoder_config,
             cluster_token=self.cluster_token,
             reflection=self.internal_reflection,
+            ep_sizes=self.ep_sizes,
         )

@@ -33,6 +33,11 @@ _GAUGES = [
         "Prompt tokens found in the prefix cache / tokens looked up.",
         lambda x: x.prefix_hits / x.prefix_queries if x.prefix_queries else 0.0,
     ),
+    (
+        "moe_load_imbalance",
+        "Expert-parallel rank: max / mean routed tokens per rank of its instance.",
+        lambda x: x.moe_load_imbalance,
+    ),  # fmt: skip
 ]
 _COUNTERS = [
     ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", lambda x: x.prefix_queries),
@@ -43,6 +48,16 @@ _COUNTERS = [
     ("encoder_cache_hits", "Images a vision encoder served from its cache.", lambda x: x.encoder_cache_hits),
     ("spec_decode_draft_tokens", "MTP draft tokens the target model verified.", lambda x: x.spec_draft_tokens),
     ("spec_decode_accepted_tokens", "MTP draft tokens the target model accepted.", lambda x: x.spec_accepted_tokens),
+    (
+        "eplb_rearrangements",
+        "Expert rearrangements by the expert-parallel load balancer.",
+        lambda x: x.eplb_rearrangements,
+    ),  # fmt: skip
+    (
+        "dummy_steps",
+        "Steps an expert-parallel rank ran with no work, to keep its instance in lockstep.",
+        lambda x: x.dummy_steps,
+    ),  # fmt: skip
 ]
 
 _sources: list[LoadSource] = []

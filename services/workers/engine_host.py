@@ -28,6 +28,11 @@ _IDLE_WAIT_S = 0.05
 _POLL_WAIT_S = 0.001
 """How often a CE with open reservations polls for hand-off notices."""
 _LOAD_REFRESH_S = 0.05
+_LOCKSTEP_IDLE_WAIT_S = 0.01
+"""An idle expert-parallel rank's wait between beats: its peers wait for it in the beat's all-reduce."""
+_PEER_TIMEOUT_S = 10.0
+"""An expert-parallel rank whose peer has not beaten for this long ends its process (the instance is
+broken: the router drops every rank it can no longer reach, the controller replaces the instance)."""
 
 
 class EngineHost:
@@ -46,6 +51,12 @@ class EngineHost:
         self._stop = threading.Event()
         self._load_at = 0.0
         self._thread = threading.Thread(target=self._run, name=f"engine-{engine.name}", daemon=True)
+        self.lockstep = None
+        """An expert-parallel rank steps with its instance (`LockstepRank`): every turn is a beat."""
+        if getattr(engine, "group", None) is not None:
+            from deepinfer_core.distributed.lockstep import LockstepRank
+
+            self.lockstep = LockstepRank(engine, engine.group, peer_timeout_s=_PEER_TIMEOUT_S)
 
     def start(self) -> None:
         self._thread.start()
@@ -54,6 +65,8 @@ class EngineHost:
         self._stop.set()
         self._calls.put(None)
         self._thread.join(timeout_s)
+        if self.lockstep is not None:
+            self.lockstep.close()
 
     @property
     def alive(self) -> bool:
@@ -82,10 +95,16 @@ class EngineHost:
             except Exception as e:  # the engine is broken: fail loudly, stop taking work
                 logger.exception("engine %s failed", self.engine.name)
                 self.error = f"{type(e).__name__}: {e}"
+                if self.lockstep is not None:  # a broken instance: end the process, its peers and router see it
+                    from deepinfer_core.distributed.lockstep import exit_instance
+
+                    exit_instance(f"engine {self.engine.name}: {self.error}")
                 break
         self._fail_pending_calls()
 
     def _idle_wait(self) -> float:
+        if self.lockstep is not None:
+            return _LOCKSTEP_IDLE_WAIT_S
         return _POLL_WAIT_S if self.engine.awaits_handoffs else _IDLE_WAIT_S
 
     def _apply_calls(self, wait_s: float) -> None:
@@ -107,11 +126,17 @@ class EngineHost:
 
     def _turn(self) -> bool:
         outputs = self.engine.poll_handoffs()
-        stepped = self.engine.has_unfinished_requests()
-        if stepped:
+        if self.lockstep is not None:  # a beat whether this rank has work or not; raises if the instance failed
             self.step_started_at = time.monotonic()
-            outputs += self.engine.step()
-            self.num_steps += 1
+            outputs += self.lockstep.step()
+            stepped = self.lockstep.instance_busy
+            self.num_steps += stepped
+        else:
+            stepped = self.engine.has_unfinished_requests()
+            if stepped:
+                self.step_started_at = time.monotonic()
+                outputs += self.engine.step()
+                self.num_steps += 1
         results = self.engine.pop_handoff_results()
         if outputs or results:
             self.loop.call_soon_threadsafe(self.on_turn, outputs, results)

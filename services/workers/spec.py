@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Optional
 
-from deepinfer_core.config import KVStoreConfig, PDConfig
+from deepinfer_core.config import EplbConfig, KVStoreConfig, PDConfig
 from deepinfer_core.multimodal.encoder_config import EncoderConfig
 from deepinfer_core.roles import EngineType, role_profile
 
@@ -36,15 +36,35 @@ class EngineSettings:
     """The hand-off's clocks: the engines' and the router's (`RouterConfig.pd`) are this one."""
     kv_store: KVStoreConfig = KVStoreConfig()
     """The KV cache store under every PE and CE (off unless it names a directory)."""
+    eplb: Optional[EplbConfig] = None
+    """The expert-parallel load balancer of every instance rank; None: off, no redundant experts."""
 
-    def to_engine_args(self, engine_type: EngineType):
-        """The `EngineArgs` of an engine of `engine_type` (built in the worker's own process)."""
+    def to_engine_args(self, engine_type: EngineType, rank: Optional[InstanceRank] = None):
+        """The `EngineArgs` of an engine of `engine_type` (built in the worker's own process);
+        `rank`: its place in an expert-parallel instance."""
         from deepinfer_core.engine_args import EngineArgs  # torch: only where an engine runs
 
         chosen = {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
         if role_profile(engine_type).requires_stop_preempted_request:
             chosen["stop_preempted_request"] = True
+        if rank is not None:
+            chosen.update(expert_parallel_size=rank.size, data_parallel_size=rank.size, data_parallel_rank=rank.rank)
         return EngineArgs(engine_type=engine_type, **chosen)
+
+
+@dataclass(frozen=True)
+class InstanceRank:
+    """A worker's place in an engine instance of several ranks (expert parallelism: one worker
+    per rank, each a decode or prefill target of its own)."""
+
+    rank: int
+    size: int
+    address: str
+    """"host:port" of the instance's rendezvous (rank 0 hosts it)."""
+    join_timeout_s: float = 120.0
+    """A rank missing after this long fails the start, naming it."""
+    collective_timeout_s: float = 60.0
+    """A collective stuck this long fails the instance."""
 
 
 @dataclass
@@ -73,3 +93,5 @@ class WorkerSpec:
     """Logging of the worker's process, when it is a Ray actor of its own."""
     encoder: EncoderConfig = EncoderConfig()
     """A vision encoder's batching, pool, lease and cache (the encoder pool only)."""
+    instance: Optional[InstanceRank] = None
+    """Set on a rank of an expert-parallel instance; None: a single-process engine."""

@@ -19,13 +19,14 @@ from services.common.gc_tuning import freeze_startup_heap
 from services.common.grpc_util import bind, channel, enable_reflection, new_event_loop, new_server
 from services.common.workers import POOL_NAMES, WorkerInfo, WorkerLoad
 from services.workers.roles import add_services, worker_role
-from services.workers.spec import WorkerSpec
+from services.workers.spec import InstanceRank, WorkerSpec
 
 logger = logging.getLogger(__name__)
 
 
 def build_engine(spec: WorkerSpec):
-    """The engine of the spec's pool, built from its settings (a vision encoder's runner for the encoder pool)."""
+    """The engine of the spec's pool, built from its settings (a vision encoder's runner for the
+    encoder pool); a rank of an instance joins its peers first (TimeoutError naming a rank that never came)."""
     engine_type = worker_role(spec.pool).engine_type
     if engine_type is None:
         from deepinfer_core.multimodal.encoder_runner import VisionEncoderRunner
@@ -34,7 +35,15 @@ def build_engine(spec: WorkerSpec):
         args = spec.engine_args.to_engine_args(EngineType.PROMPT)  # the model's settings; no engine is built
         device = args.resolve_device()
         return VisionEncoderRunner.from_model_config(args.create_model_config(device), device, spec.encoder)
-    return engine_class(engine_type).from_engine_args(spec.engine_args.to_engine_args(engine_type))
+    args = spec.engine_args.to_engine_args(engine_type, spec.instance)
+    if spec.instance is None:
+        return engine_class(engine_type).from_engine_args(args)
+    from deepinfer_core.distributed.group import join_instance
+
+    inst = spec.instance
+    backend = "nccl" if args.resolve_device().startswith("cuda") else "gloo"
+    group = join_instance(inst.rank, inst.size, inst.address, backend, inst.join_timeout_s, inst.collective_timeout_s)
+    return engine_class(engine_type).from_engine_args(args, group=group)
 
 
 def encoder_info(spec: WorkerSpec, address: str) -> WorkerInfo:
@@ -169,7 +178,10 @@ class WorkerActor:
         )
         self.server = WorkerServer(spec)
 
-    def start(self) -> WorkerInfo:
+    def start(self, instance: Optional[InstanceRank] = None) -> WorkerInfo:
+        """`instance`: this worker's rank of an expert-parallel instance (known once rank 0 is placed)."""
+        if instance is not None:
+            self.server.spec = dataclasses.replace(self.server.spec, instance=instance)
         info = self.server.start()
         freeze_startup_heap()  # the actor's process is this worker's alone: its model and engine stay
         return info

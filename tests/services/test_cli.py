@@ -4,6 +4,7 @@ import subprocess
 import sys
 
 from deepinfer_core import LLM, SamplingParams
+from deepinfer_core.roles import EngineType
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
@@ -70,3 +71,23 @@ def test_serve_refuses_tls_settings_that_make_no_server(tmp_path, monkeypatch):
         _serve_config(["--ssl-ca-certs", str(tmp_path / "ca.pem")], monkeypatch, {})
     with pytest.raises(FileNotFoundError):
         _serve_config(["--ssl-certfile", str(tmp_path / "missing.pem")], monkeypatch, {})
+
+
+def test_serve_refuses_an_ep_size_the_model_cannot_split_before_starting_anything(tmp_path):
+    r = _cli("serve", "--decode-ep", "3")  # the embedded model has 8 routed experts
+    assert r.returncode == 2 and "--decode-ep 3" in r.stderr and "must divide the 8 routed experts" in r.stderr
+    assert "Traceback" not in r.stderr and "Ray" not in r.stdout
+    from tests.helpers.hf_models import tiny_hf_config
+
+    tiny_hf_config("llama").save_pretrained(tmp_path)
+    r = _cli("serve", "--model", str(tmp_path), "--prefill-ep", "2")
+    assert r.returncode == 2 and "needs a mixture-of-experts model" in r.stderr, r.stderr
+
+
+def test_serve_passes_the_balancer_settings_to_every_engine(monkeypatch):
+    argv = ["--decode-ep", "3", "--redundant-experts", "1", "--enable-eplb", "--eplb-interval", "500"]
+    config = _serve_config(argv, monkeypatch, {})  # 8 experts + 1 redundant slot split over 3 ranks
+    assert config.ep_sizes == {3: 3}
+    eplb = config.engine_args.eplb
+    assert (eplb.enabled, eplb.num_redundant_experts, eplb.rearrange_interval) == (True, 1, 500)
+    assert config.engine_args.to_engine_args(EngineType.COMPLETION).eplb == eplb

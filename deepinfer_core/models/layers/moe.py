@@ -194,7 +194,7 @@ class FusedExperts(nn.Module):
         hidden_size: int,
         intermediate_size: int,
         dtype: torch.dtype,
-        local_experts: range | None = None,
+        local_experts: range | list[int] | None = None,
         hidden_act: str = "silu",
         fp8_block: tuple[int, int] | None = None,
     ):
@@ -203,6 +203,8 @@ class FusedExperts(nn.Module):
             raise ValueError(f"MoE experts need hidden_act='silu', got {hidden_act!r}")
         self.num_experts = num_experts
         self.local_experts = local_experts if local_experts is not None else range(num_experts)
+        """Logical expert of each local slot: all of them in order, or an expert-parallel rank's slots
+        (a list, repeats allowed with redundant experts)."""
         self.intermediate_size = intermediate_size
         self.fp8_block = tuple(fp8_block) if fp8_block else None
         n = len(self.local_experts)
@@ -237,29 +239,31 @@ class FusedExperts(nn.Module):
     def load_expert(self, expert: int, projection: str, tensor: torch.Tensor, scale: bool = False) -> bool:
         """Copy one checkpoint expert tensor (`scale`: its FP8 `weight_scale_inv`) into its slice;
         False when the expert is not local."""
-        if expert not in self.local_experts:
+        slots = [i for i, e in enumerate(self.local_experts) if e == expert]
+        if not slots:
             return False
         if scale and not self.fp8_block:
             raise ValueError(f"expert {expert} {projection} has FP8 factors, but these experts are not FP8")
         param_name, shard = EXPERT_PROJECTIONS[projection]
-        target = getattr(self, param_name + ("_scale_inv" if scale else ""))[expert - self.local_experts.start]
-        if shard is not None:
-            rows = target.shape[0] // 2 if scale else self.intermediate_size
-            target = target[shard * rows : (shard + 1) * rows]
-        if target.shape != tensor.shape:
-            what = f"{projection} weight_scale_inv" if scale else projection
-            raise ValueError(
-                f"expert {expert} {what} has shape {tuple(tensor.shape)}, the model expects {tuple(target.shape)}"
-            )
-        with torch.no_grad():
-            target.copy_(tensor)
+        for slot in slots:
+            target = getattr(self, param_name + ("_scale_inv" if scale else ""))[slot]
+            if shard is not None:
+                rows = target.shape[0] // 2 if scale else self.intermediate_size
+                target = target[shard * rows : (shard + 1) * rows]
+            if target.shape != tensor.shape:
+                what = f"{projection} weight_scale_inv" if scale else projection
+                raise ValueError(
+                    f"expert {expert} {what} has shape {tuple(tensor.shape)}, the model expects {tuple(target.shape)}"
+                )
+            with torch.no_grad():
+                target.copy_(tensor)
         return True
 
     def checkpoint_names(self, prefix: str) -> list[str]:
         """Checkpoint names of the local experts' tensors, spelled `{prefix}.{e}.{gate,up,down}_proj.weight`
         (and `.weight_scale_inv` for FP8 experts)."""
         kinds = ("weight", "weight_scale_inv") if self.fp8_block else ("weight",)
-        return [f"{prefix}.{e}.{p}.{kind}" for e in self.local_experts for p in ("gate_proj", "up_proj", "down_proj")
+        return [f"{prefix}.{e}.{p}.{kind}" for e in sorted(set(self.local_experts)) for p in ("gate_proj", "up_proj", "down_proj")
                 for kind in kinds]  # fmt: skip
 
 
@@ -290,6 +294,9 @@ class SparseMoeBlock(nn.Module):
         self.shared_experts = (
             SwiGLUMLP(hidden_size, shared_intermediate_size, dtype=dtype) if shared_intermediate_size else None
         )
+        self.ep = None
+        """Expert parallelism (`deepinfer_core.distributed.expert_parallel.ExpertParallelMoE`), set from
+        outside: runs the routed experts across the instance's ranks. None: every expert is local."""
 
     def router_logits(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, E]
         if self.routing.router_fp32:
@@ -302,7 +309,9 @@ class SparseMoeBlock(nn.Module):
         if self.routing.weights_in_activation_dtype:
             weights = weights.to(x.dtype)
         experts = self.experts
-        if use_triton(x) and len(experts.local_experts) == experts.num_experts:  # CUDA: the fused kernel
+        if self.ep is not None:
+            out = self.ep(x, weights, ids, experts)
+        elif use_triton(x) and len(experts.local_experts) == experts.num_experts:  # CUDA: the fused kernel
             out = ops.fused_experts(
                 x, experts.w13_weight, experts.w2_weight, weights, ids.to(torch.int32), **experts.fp8_kwargs()
             ).to(x.dtype)

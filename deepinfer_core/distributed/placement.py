@@ -1,0 +1,106 @@
+"""Where each expert lives: logical experts (the router's ids) on physical slots on ranks.
+
+An instance of N ranks has P = E + R physical expert slots per MoE layer (R redundant ones, for
+hot experts), S = P / N per rank, rank r owning slots [r*S, (r+1)*S). Per MoE layer l:
+
+    phy2log [L, P]         logical expert held by each physical slot
+    logcnt  [L, E]         replicas of each logical expert (>= 1)
+    log2phy [L, E, Rmax]   the physical slots of each logical expert, -1 padded
+
+The initial placement is contiguous (slot p holds expert p mod E): rank r holds experts
+[r*E/N, (r+1)*E/N) when there is no redundancy. EPLB (`deepinfer_core/eplb/`) replaces it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+def check_expert_parallel(num_experts: int, ep_size: int, num_redundant: int = 0) -> None:
+    """ValueError when `ep_size` ranks cannot hold `num_experts` experts plus `num_redundant` slots."""
+    if ep_size <= 1 and num_redundant == 0:
+        return
+    if num_experts == 0:
+        raise ValueError(
+            f"expert_parallel_size={ep_size} needs a mixture-of-experts model; this model has no routed experts"
+        )
+    if num_redundant < 0:
+        raise ValueError(f"num_redundant_experts must be >= 0, got {num_redundant}")
+    slots = num_experts + num_redundant
+    if ep_size > slots or slots % ep_size:
+        extra = f" plus {num_redundant} redundant slots" if num_redundant else " (without redundant experts)"
+        raise ValueError(
+            f"expert_parallel_size={ep_size} must divide the {num_experts} routed experts{extra} "
+            f"and not exceed them ({slots} slots cannot be split evenly over {ep_size} ranks)"
+        )
+
+
+@dataclass
+class ExpertPlacement:
+    phy2log: torch.Tensor  # [L, P] int64
+    num_experts: int
+    num_ranks: int
+
+    def __post_init__(self) -> None:
+        self.refresh()
+
+    @classmethod
+    def contiguous(cls, num_layers: int, num_experts: int, num_ranks: int, num_redundant: int = 0) -> ExpertPlacement:
+        check_expert_parallel(num_experts, num_ranks, num_redundant)
+        row = torch.arange(num_experts + num_redundant) % num_experts
+        return cls(row.repeat(num_layers, 1), num_experts, num_ranks)
+
+    def refresh(self) -> None:
+        """Derive `logcnt` and `log2phy` from `phy2log` (after a rearrangement replaced it)."""
+        L, P = self.phy2log.shape
+        self.logcnt = torch.zeros(L, self.num_experts, dtype=torch.int64)
+        self.logcnt.scatter_add_(1, self.phy2log, torch.ones_like(self.phy2log))
+        if int(self.logcnt.min()) < 1:
+            raise ValueError("a placement must hold every logical expert at least once")
+        self.log2phy = torch.full((L, self.num_experts, int(self.logcnt.max())), -1, dtype=torch.int64)
+        self._on_device: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}  # (logcnt, log2phy) copies
+        seen = torch.zeros(L, self.num_experts, dtype=torch.int64)
+        for layer in range(L):
+            for p, e in enumerate(self.phy2log[layer].tolist()):
+                self.log2phy[layer, e, seen[layer, e]] = p
+                seen[layer, e] += 1
+
+    @property
+    def num_layers(self) -> int:
+        return self.phy2log.shape[0]
+
+    @property
+    def num_slots(self) -> int:
+        return self.phy2log.shape[1]
+
+    @property
+    def slots_per_rank(self) -> int:
+        return self.num_slots // self.num_ranks
+
+    def local_experts(self, layer: int, rank: int) -> list[int]:
+        """Logical expert of each of `rank`'s slots, in slot order."""
+        S = self.slots_per_rank
+        return self.phy2log[layer, rank * S : (rank + 1) * S].tolist()
+
+    def to_physical(self, layer: int, ids: torch.Tensor, rank: int) -> torch.Tensor:
+        """[T, k] logical ids -> [T, k] physical slots. A token spreads over an expert's replicas by
+        its position (offset by rank, so that ranks do not all pick the first replica)."""
+        if ids.device not in self._on_device:  # copied once per placement, not per layer and step
+            self._on_device[ids.device] = (self.logcnt.to(ids.device), self.log2phy.to(ids.device))
+        logcnt, log2phy = self._on_device[ids.device]
+        cnt = logcnt[layer][ids]  # [T, k]
+        pos = torch.arange(ids.shape[0], device=ids.device).unsqueeze(1) + rank
+        return log2phy[layer][ids, pos % cnt]
+
+    def rank_load(self, load: torch.Tensor) -> torch.Tensor:
+        """[L, E] logical load -> [L, N] tokens per rank, a replicated expert's load split evenly."""
+        per_slot = load.double().gather(1, self.phy2log) / self.logcnt.double().gather(1, self.phy2log)
+        return per_slot.view(self.num_layers, self.num_ranks, self.slots_per_rank).sum(-1)
+
+
+def imbalance(rank_load: torch.Tensor) -> float:
+    """max / mean tokens per rank, averaged over layers (1.0 is perfect balance)."""
+    mean = rank_load.mean(-1).clamp_min(1e-9)
+    return float((rank_load.max(-1).values / mean).mean())

@@ -18,6 +18,7 @@ checked equal to nextn = 0's (greedy verification is exact).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import sys
 import tempfile
@@ -83,6 +84,10 @@ def measure(args, nextn: int, path: str | None, prompts: list[list[int]]) -> dic
     if stats is not None:
         row["acceptance"] = stats.accepted_tokens / max(stats.draft_tokens, 1)
         row["per_position"] = [a / max(p, 1) for p, a in zip(stats.proposed_at, stats.accepted_at)]
+    del engine  # its weights and KV cache go before the next configuration's engine is built
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
     return row
 
 

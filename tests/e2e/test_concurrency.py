@@ -8,6 +8,7 @@ import httpx
 import openai
 
 from proto import common_pb2, gateway_pb2_grpc, worker_pb2_grpc
+from services.common.auth import token_metadata
 from tests.helpers.cluster import wait_until
 
 
@@ -19,9 +20,11 @@ def _workers(cluster) -> dict[str, str]:
     return {names[p.pool]: w.info.address for p in status.pools for w in p.workers}
 
 
-def _stats(address: str) -> common_pb2.WorkerLoad:
+def _stats(address: str, cluster) -> common_pb2.WorkerLoad:
+    """A worker's own report (an internal service: the call carries the cluster token)."""
     with grpc.insecure_channel(address) as ch:
-        return worker_pb2_grpc.WorkerStub(ch).Stats(common_pb2.StatusRequest(), timeout=10)
+        stub = worker_pb2_grpc.WorkerStub(ch)
+        return stub.Stats(common_pb2.StatusRequest(), timeout=10, metadata=token_metadata(cluster.cluster_token))
 
 
 def test_thirty_two_concurrent_streams_all_complete(cluster):
@@ -64,7 +67,7 @@ def _leave_mid_stream(cluster, workers, free0) -> bool:
             if len(seen) >= 3:
                 break
         assert not any('"error"' in line for line in seen), seen  # a failed request would explain the rest
-        ce = _stats(workers["decode"])
+        ce = _stats(workers["decode"], cluster)
         if ce.requests == 1 and ce.free_blocks < free0["decode"]:  # the request holds KV on the CE
             return True
         rest = [line for line in lines if line.startswith("data: ")]
@@ -75,23 +78,25 @@ def _leave_mid_stream(cluster, workers, free0) -> bool:
 
 def test_client_disconnect_mid_stream_frees_kv_on_prefill_and_decode(cluster):
     workers = _workers(cluster)
-    free0 = {pool: _stats(addr).free_blocks for pool, addr in workers.items()}
+    free0 = {pool: _stats(addr, cluster).free_blocks for pool, addr in workers.items()}
     assert any(_leave_mid_stream(cluster, workers, free0) for _ in range(3)), "the CE never held the request"
     started = time.monotonic()
-    assert wait_until(lambda: _stats(workers["decode"]).requests == 0, timeout_s=30), "the CE still holds the request"
-    assert wait_until(lambda: _stats(workers["decode"]).free_blocks == free0["decode"], timeout_s=30)
+    assert wait_until(lambda: _stats(workers["decode"], cluster).requests == 0, timeout_s=30), (
+        "the CE still holds the request"
+    )
+    assert wait_until(lambda: _stats(workers["decode"], cluster).free_blocks == free0["decode"], timeout_s=30)
     assert time.monotonic() - started < 30
-    pe = _stats(workers["prefill"])
+    pe = _stats(workers["prefill"], cluster)
     assert pe.requests == 0 and pe.free_blocks == free0["prefill"]
 
 
 def test_client_disconnect_while_waiting_for_a_non_streamed_answer(cluster):
     workers = _workers(cluster)
-    free0 = _stats(workers["decode"]).free_blocks
+    free0 = _stats(workers["decode"], cluster).free_blocks
     body = {"prompt": "wait for me", "max_tokens": 450, "ignore_eos": True}
     try:
         httpx.post(f"{cluster.base_url}/completions", json=body, timeout=1.5)
     except httpx.TimeoutException:
         pass
-    assert wait_until(lambda: _stats(workers["decode"]).requests == 0, timeout_s=30)
-    assert wait_until(lambda: _stats(workers["decode"]).free_blocks == free0, timeout_s=30)
+    assert wait_until(lambda: _stats(workers["decode"], cluster).requests == 0, timeout_s=30)
+    assert wait_until(lambda: _stats(workers["decode"], cluster).free_blocks == free0, timeout_s=30)

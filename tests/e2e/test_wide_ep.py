@@ -68,9 +68,10 @@ def test_status_shows_each_rank_of_the_instance(wide, served):
 
 
 @pytest.mark.timeout(400)
-def test_a_killed_rank_fails_its_whole_instance_and_its_streams_end_with_an_error(wide, served):
-    """Last in the module: it breaks the instance. Every stream on either rank ends with an error
-    (the survivor's peer monitor ends its process) and both ranks leave the router: no stream hangs."""
+def test_a_killed_rank_fails_its_whole_instance_and_its_streams_migrate_or_end_with_an_error(wide, served):
+    """Last in the module: it breaks the instance. Both ranks leave the router (the survivor's peer
+    monitor ends its process); every stream on either rank either migrates to a healthy instance
+    (the controller replaces the broken one) and finishes whole, or ends with an error: none hangs."""
     from tests.e2e.test_scaling_and_faults import Streams, _status
 
     streams = Streams(wide, 4, max_tokens=400)
@@ -78,13 +79,14 @@ def test_a_killed_rank_fails_its_whole_instance_and_its_streams_end_with_an_erro
     decode = next(p for p in _status(wide).pools if p.pool == 3)
     ranks = sorted(decode.workers, key=lambda w: w.info.worker_id)
     assert {w.inflight for w in ranks} != {0}
+    broken = {w.info.worker_id for w in ranks}
     os.kill(ranks[1].info.pid, signal.SIGKILL)
     started = time.monotonic()
     results = streams.join()
-    assert all(errors for _, errors in results), results  # on the killed rank and on its peer alike
-    assert time.monotonic() - started < 60
+    assert all(errors or reasons == ["length"] for reasons, errors in results), results
+    assert time.monotonic() - started < 180
 
     def gone() -> bool:
-        return not [w for p in _status(wide).pools if p.pool == 3 for w in p.workers]
+        return not broken & {w.info.worker_id for p in _status(wide).pools if p.pool == 3 for w in p.workers}
 
     assert wait_until(gone, timeout_s=60), "both ranks of the broken instance left the router"

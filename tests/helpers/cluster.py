@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import secrets
 import signal
 import subprocess
 import sys
@@ -42,6 +43,9 @@ class ServeProcess:
         ]
         # token auth on both the cluster that starts Ray and those that join it (`--ray-address`)
         env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "token", **(env or {})}
+        env.setdefault("DEEPINFER_CLUSTER_TOKEN", secrets.token_urlsafe(24))  # a --cluster-token flag wins
+        self.cluster_token = env["DEEPINFER_CLUSTER_TOKEN"]
+        """The internal services' credential (tests that call a worker directly send it)."""
         self.proc = subprocess.Popen(
             cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True
         )

@@ -64,7 +64,13 @@ def run_deepinfer(args, url: str, out_dir: str, tag: str) -> dict[str, float]:
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, timeout=900)
     with open(os.path.join(out_dir, name)) as f:
         r = json.load(f)
-    return {"ttft_p50_ms": r["median_ttft_ms"], "output_tok_s": r["output_throughput"], "failed": r["failed"]}
+    return {
+        "ttft_p50_ms": r["median_ttft_ms"],
+        "output_tok_s": r["output_throughput"],
+        "prompt_tokens": r["total_input_tokens"] / max(r["completed"], 1),
+        "e2el_p50_ms": r["median_e2el_ms"],
+        "failed": r["failed"],
+    }
 
 
 def run_guidellm(args, url: str, out_dir: str, tag: str) -> dict[str, float]:
@@ -77,12 +83,29 @@ def run_guidellm(args, url: str, out_dir: str, tag: str) -> dict[str, float]:
     cmd += ["--disable-console"]
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=900, cwd=out_dir)
     with open(path) as f:
-        metrics = json.load(f)["benchmarks"][0]["metrics"]
+        bench = json.load(f)["benchmarks"][0]
+    done = bench["requests"]["successful"]
+    # the same definitions as `deepinfer bench serve` (and vLLM's): output tokens over the span from
+    # the first request's start to the last one's end, and the median of the requests' TTFTs (its own
+    # summary's rate is a mean over time buckets, which weighs the ramp-up and tail differently)
+    span = max(r["request_end_time"] for r in done) - min(r["request_start_time"] for r in done)
     return {
-        "ttft_p50_ms": metrics["time_to_first_token_ms"]["successful"]["median"],
-        "output_tok_s": metrics["output_tokens_per_second"]["successful"]["mean"],
-        "failed": metrics["request_totals"]["errored"],
+        "ttft_p50_ms": statistics.median(r["time_to_first_token_ms"] for r in done),
+        "output_tok_s": sum(r["output_tokens"] for r in done) / span,
+        "prompt_tokens": statistics.mean(r["prompt_tokens"] for r in done),
+        "e2el_p50_ms": statistics.median(r["request_latency"] for r in done) * 1e3,
+        "gap_ms": _mean_gap_ms(done, args.concurrency),
+        "guidellm_summary_tok_s": bench["metrics"]["output_tokens_per_second"]["successful"]["mean"],
+        "failed": bench["metrics"]["request_totals"]["errored"],
     }
+
+
+def _mean_gap_ms(done: list[dict], concurrency: int) -> float:
+    """Mean idle time of a concurrency slot per request: the slots' time over the span, less the
+    requests' own time (what the instrument itself waits between one request's end and the next's start)."""
+    span = max(r["request_end_time"] for r in done) - min(r["request_start_time"] for r in done)
+    busy = sum(r["request_end_time"] - r["request_start_time"] for r in done)
+    return max(0.0, concurrency * span - busy) / len(done) * 1e3
 
 
 def rounds(args, url: str, out_dir: str) -> list[dict]:
@@ -106,14 +129,18 @@ def _row(r: dict) -> str:
     ttft, tput = _ratios(d, g)
     return (
         f"| {r['round']} | {r['first']} | {d['ttft_p50_ms']:.1f} / {g['ttft_p50_ms']:.1f} | {ttft:.2f} | "
-        f"{d['output_tok_s']:.1f} / {g['output_tok_s']:.1f} | {tput:.2f} | {d['failed']} / {g['failed']} |"
+        f"{d['output_tok_s']:.1f} / {g['output_tok_s']:.1f} | {tput:.2f} | "
+        f"{d['e2el_p50_ms']:.1f} / {g['e2el_p50_ms']:.1f} | {d['e2el_p50_ms'] / g['e2el_p50_ms']:.2f} | "
+        f"{g['gap_ms']:.1f} | {d['prompt_tokens']:.0f} / {g['prompt_tokens']:.0f} | {d['failed']} / {g['failed']} |"
     )
 
 
 def summary(rows: list[dict]) -> dict[str, float]:
     ttft = statistics.median(_ratios(r["deepinfer"], r["guidellm"])[0] for r in rows)
     tput = statistics.median(_ratios(r["deepinfer"], r["guidellm"])[1] for r in rows)
-    return {"ttft_ratio": ttft, "throughput_ratio": tput, "agree": abs(ttft - 1) <= BAND and abs(tput - 1) <= BAND}
+    e2e = statistics.median(r["deepinfer"]["e2el_p50_ms"] / r["guidellm"]["e2el_p50_ms"] for r in rows)
+    agree = abs(ttft - 1) <= BAND and abs(tput - 1) <= BAND
+    return {"ttft_ratio": ttft, "throughput_ratio": tput, "e2el_ratio": e2e, "agree": agree}
 
 
 def main(argv=None) -> int:
@@ -137,13 +164,15 @@ def main(argv=None) -> int:
         f"{args.input_len} -> {args.output_len} tokens, {url}\n"
     )
     print(
-        "| round | first | TTFT p50 deepinfer / guidellm (ms) | ratio | output tok/s deepinfer / guidellm | ratio | failed |"
+        "| round | first | TTFT p50 deepinfer / guidellm (ms) | ratio | output tok/s deepinfer / guidellm | ratio "
+        "| E2E p50 deepinfer / guidellm (ms) | ratio | guidellm's idle per request (ms) | prompt tokens | failed |"
     )
-    print("|---:|---|---:|---:|---:|---:|---:|")
+    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     print("\n".join(_row(r) for r in rows))
     verdict = "within" if result["agree"] else "NOT within"
     print(
-        f"\nmedian ratios: TTFT p50 {result['ttft_ratio']:.2f}, output throughput {result['throughput_ratio']:.2f} "
+        f"\nmedian ratios: TTFT p50 {result['ttft_ratio']:.2f}, output throughput {result['throughput_ratio']:.2f}, "
+        f"E2E p50 {result['e2el_ratio']:.2f} "
         f"({verdict} {BAND:.0%})"
     )
     if args.json:

@@ -16,7 +16,7 @@ from deepinfer_core import LLM, SamplingParams
 from deepinfer_core.builtin import TINY_MODEL_DIR
 from deepinfer_core.multimodal.image_processor import load_image
 from proto import common_pb2, gateway_pb2, gateway_pb2_grpc
-from tests.helpers.cluster import SMALL_ENGINE, ServeProcess
+from tests.helpers.cluster import SMALL_ENGINE, ServeProcess, wait_until
 from tests.helpers.hf_models import HF_IMAGE_PROCESSORS, save_hf_llava
 from tests.helpers.images import make_png
 
@@ -89,7 +89,8 @@ def test_epd_equals_the_normal_engine_and_transformers(served):
         assert tokens == _hf_tokens(hf, processor, local.prompt_token_ids, images), name
         got[name] = tokens
     assert got["one image"] != got["same text, other image"]  # no KV shared across different images
-    assert serve.metric("deepinfer:encoder_images_total") >= 2
+    # a worker-load metric: the router reads the encoders' loads every 0.5 s
+    assert wait_until(lambda: serve.metric("deepinfer:encoder_images_total") >= 2, timeout_s=10)
     assert serve.metric("deepinfer:embedding_transfer_seconds_count") >= 3
 
 

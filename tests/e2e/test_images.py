@@ -114,10 +114,11 @@ def test_images_went_through_the_encoder_pool(cluster):
     repeated image comes from its cache; the PE read the embeddings over NIXL."""
     for _ in range(2):
         assert _post(cluster, CONVERSATIONS["one image"]).status_code == 200
-    assert cluster.metric("deepinfer:encoder_images_total") >= 1
-    assert cluster.metric("deepinfer:encoder_cache_hits_total") >= 1
+    # worker-load metrics: the router reads the encoders' loads every 0.5 s
+    assert wait_until(lambda: cluster.metric("deepinfer:encoder_images_total") >= 1, timeout_s=10)
+    assert wait_until(lambda: cluster.metric("deepinfer:encoder_cache_hits_total") >= 1, timeout_s=10)
     assert cluster.metric("deepinfer:embedding_transfer_seconds_count") >= 1
-    assert cluster.metric("deepinfer:encoder_queue_images") == 0
+    assert wait_until(lambda: cluster.metric("deepinfer:encoder_queue_images") == 0, timeout_s=10)
 
 
 def test_a_burst_of_image_requests_each_completes_or_gets_429(cluster):
@@ -135,7 +136,7 @@ def test_a_burst_of_image_requests_each_completes_or_gets_429(cluster):
 
     codes = asyncio.run(asyncio.wait_for(burst(), 240))
     assert set(codes) <= {200, 429} and codes.count(200) >= 1, codes
-    assert cluster.metric("deepinfer:encoder_queue_images") == 0
+    assert wait_until(lambda: cluster.metric("deepinfer:encoder_queue_images") == 0, timeout_s=10)
     # every PE read its leases (or they were released): the encoder's pool is empty again
     assert wait_until(lambda: cluster.metric("deepinfer:embedding_leases") == 0, timeout_s=10)
 
@@ -152,5 +153,5 @@ def test_the_encoder_pool_empties_after_clients_leave_early(cluster):
         except httpx.TimeoutException:
             pass  # the client is gone
     assert wait_until(lambda: cluster.metric("deepinfer:embedding_leases") == 0, timeout_s=15)
-    assert cluster.metric("deepinfer:encoder_queue_images") == 0
+    assert wait_until(lambda: cluster.metric("deepinfer:encoder_queue_images") == 0, timeout_s=10)
     assert _post(cluster, CONVERSATIONS["one image"]).status_code == 200

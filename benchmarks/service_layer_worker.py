@@ -23,6 +23,10 @@ from deepinfer_core.roles import EngineType
 POOLS = {"colocated": EngineType.NORMAL, "prefill": EngineType.PROMPT, "decode": EngineType.COMPLETION}
 
 
+_STAND_INS = {EngineType.PROMPT: TokenSourcePrompt, EngineType.COMPLETION: TokenSourceCompletion}
+"""The stand-in of each role (NORMAL: `TokenSourceEngine`)."""
+
+
 def build_engine(args: argparse.Namespace) -> TokenSourceEngine:
     engine_type = POOLS[args.pool]
     config = token_source_config(engine_type, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs)
@@ -33,11 +37,8 @@ def build_engine(args: argparse.Namespace) -> TokenSourceEngine:
         max_batch=args.max_batch or None,
         name=f"token_source_{args.worker_id}",
     )
-    if engine_type == EngineType.COMPLETION:
-        return TokenSourceCompletion(handoff_delay_s=args.handoff_ms / 1e3, **kwargs)
-    if engine_type == EngineType.PROMPT:
-        return TokenSourcePrompt(**kwargs)
-    return TokenSourceEngine(**kwargs)
+    extra = {EngineType.COMPLETION: {"handoff_delay_s": args.handoff_ms / 1e3}}.get(engine_type, {})
+    return _STAND_INS.get(engine_type, TokenSourceEngine)(**kwargs, **extra)
 
 
 def start_server(args: argparse.Namespace, engine: TokenSourceEngine):

@@ -33,7 +33,7 @@ from deepinfer_core.config import CacheConfig, PDConfig, SchedulerConfig
 from deepinfer_core.engine.load import EngineLoad
 from deepinfer_core.errors import FinishReason, InvalidRequestError
 from deepinfer_core.outputs import CompletionOutput, RequestOutput
-from deepinfer_core.roles import EngineType
+from deepinfer_core.roles import EngineType, role_profile
 from deepinfer_core.sampling_params import SamplingParams
 
 VOCAB_SIZE = 256
@@ -78,7 +78,7 @@ def token_source_config(
         max_model_len,
         max_num_batched_tokens=max_model_len,
         max_num_seqs=max_num_seqs,
-        stop_preempted_request=engine_type == EngineType.COMPLETION,
+        stop_preempted_request=role_profile(engine_type).requires_stop_preempted_request,
     )
     return TokenSourceConfig(engine_type, scheduler, CacheConfig(block_size=block_size, num_gpu_blocks=num_blocks))
 
@@ -122,6 +122,8 @@ class TokenSourceEngine:
 
     agent = None
     """No KV transfer agent: nothing to connect to."""
+    group = None
+    """Not a rank of an expert-parallel instance."""
 
     def __init__(
         self,
@@ -134,6 +136,7 @@ class TokenSourceEngine:
     ):
         self.config = config or token_source_config()
         self.engine_type = self.config.engine_type
+        self.role = role_profile(self.engine_type)
         self.name = name or f"token_source_{self.engine_type.name}"
         self.step_period_s = step_period_s
         self.tokens_per_step = tokens_per_step

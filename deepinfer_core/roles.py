@@ -3,8 +3,8 @@ what the role changes is the table below, as data.
 
 Code asks the table (`config.role.cuda_graphs_allowed`) instead of repeating `if engine_type ...`
 checks across the code base. What stays a switch on `EngineType`: the scheduler's three-way role
-branch (SPEC §3), the PROMPT assertion in `LLMEngine.step()` (invariant 2) and the role checks of
-the PromptEngine / CompletionEngine constructors.
+branch (SPEC §3); the PromptEngine / CompletionEngine constructors check their role through
+`require_role`, and invariant 2 is the `only_prefill_steps` row.
 
 The integer values of `EngineType` cross process boundaries (the proto enum, the router, the
 wire format of hand-offs): keep them identical everywhere.
@@ -84,6 +84,8 @@ class RoleProfile:
     speculative_decoding: bool
     """Decode steps feed DEEPINFER_USE_NEXTN_DECODE draft tokens per sequence (MTP slots);
     a PE never decodes, so it sizes nothing for them (`EngineArgs`)."""
+    only_prefill_steps: bool
+    """Every non-empty step is a prefill step (invariant 2; `LLMEngine.step` asserts it)."""
     prefills_short_prompts: bool
     """Conditional disaggregation: the engine prefills prompts whose uncached part is short
     (`PDConfig.local_prefill_tokens`) in a step of their own, within its decode step's token bound
@@ -119,6 +121,7 @@ _PROFILES = {
         cuda_graphs_allowed=True,
         peak_step="prefill",
         speculative_decoding=True,
+        only_prefill_steps=False,
         prefills_short_prompts=False,
     ),
     EngineType.PROMPT: RoleProfile(
@@ -139,6 +142,7 @@ _PROFILES = {
         cuda_graphs_allowed=False,
         peak_step="prefill",
         speculative_decoding=False,
+        only_prefill_steps=True,
         prefills_short_prompts=False,
     ),
     EngineType.COMPLETION: RoleProfile(
@@ -159,6 +163,7 @@ _PROFILES = {
         cuda_graphs_allowed=True,
         peak_step="decode",
         speculative_decoding=True,
+        only_prefill_steps=False,
         prefills_short_prompts=True,
     ),
 }
@@ -169,6 +174,12 @@ def role_profile(engine_type: EngineType) -> RoleProfile:
         return _PROFILES[engine_type]
     except KeyError:
         raise ValueError(f"unknown engine_type {engine_type!r}") from None
+
+
+def require_role(engine_type: EngineType, wanted: EngineType, engine: str) -> None:
+    """The role check of a role's own engine class (`PromptEngine`, `CompletionEngine`)."""
+    if engine_type != wanted:
+        raise ValueError(f"{engine} needs engine_type={wanted.name}, got {engine_type.name}")
 
 
 def engine_class(engine_type: EngineType) -> type:

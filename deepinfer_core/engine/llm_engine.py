@@ -26,7 +26,6 @@ from deepinfer_core.engine.request_state import RequestState
 from deepinfer_core.engine.sampling_rules import SamplingRules
 from deepinfer_core.engine_args import EngineArgs
 from deepinfer_core.outputs import RequestOutput
-from deepinfer_core.roles import EngineType
 from deepinfer_core.scheduler.dp_vote import DPVote
 from deepinfer_core.scheduler.outputs import SchedulerOutputs
 from deepinfer_core.scheduler.scheduler import Scheduler
@@ -127,6 +126,11 @@ class LLMEngine(RequestAdmission, SamplingRules):
         self.scheduler.abort_seq(request_id)
         self.requests.pop(request_id, None)
 
+    def release_unused(self, request_id: str) -> None:
+        """Abort a request whose KV target no PE was ever given. Only a CE holds such reservations
+        (it frees their blocks at once); elsewhere this is `abort_request`."""
+        self.abort_request(request_id)
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or self._step_in_flight is not None
 
@@ -196,7 +200,7 @@ class LLMEngine(RequestAdmission, SamplingRules):
             to_copy = [s for s in out.scheduled_seqs if self.should_copy_state(s)]
             if to_copy:
                 self.do_copy_state(to_copy)
-        if self.engine_type == EngineType.PROMPT and not out.is_empty:
+        if self.role.only_prefill_steps and not out.is_empty:
             assert out.prompt_run, "a PROMPT engine only runs prefill steps"
         rows = self._sampling_rows(out)
         if self.spec is not None and not out.prompt_run and not out.is_empty:

@@ -34,7 +34,7 @@ from deepinfer_core.kvstore import KVStore, KVStoreStats, open_store
 from deepinfer_core.kvstore.keys import placeholders_from_spans
 from deepinfer_core.kvstore.saver import StoreSaver
 from deepinfer_core.outputs import RequestOutput
-from deepinfer_core.roles import EngineType
+from deepinfer_core.roles import EngineType, require_role
 from deepinfer_core.sampling.sampler import replay_draws
 from deepinfer_core.sampling_params import SamplingParams
 from deepinfer_core.sequence import Sequence, SequenceStatus
@@ -57,8 +57,7 @@ class CompletionEngine(LLMEngine):
     """L2 + L3 of the KV cache system (None: not configured)."""
 
     def __init__(self, config, *args, **kwargs):
-        if config.engine_type != EngineType.COMPLETION:
-            raise ValueError(f"CompletionEngine needs engine_type=COMPLETION, got {config.engine_type.name}")
+        require_role(config.engine_type, EngineType.COMPLETION, "CompletionEngine")
         self.state_copy_interval = config.pd.state_copy_interval
         self.lease_grace_s = config.pd.lease_grace_s
         """How long blocks of an expired lease stay quarantined without a notice: longer than a

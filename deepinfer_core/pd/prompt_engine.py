@@ -24,10 +24,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
 from typing import Optional
-
-import torch
 
 from deepinfer_core import envs
 from deepinfer_core.engine.handoff_result import HandoffResult
@@ -38,36 +35,17 @@ from deepinfer_core.kvstore import KVStore, KVStoreStats, open_store
 from deepinfer_core.kvstore.keys import image_spans
 from deepinfer_core.kvstore.loader import StoreLoader
 from deepinfer_core.kvstore.probe import PrefixProbe, probe_prefix
-from deepinfer_core.roles import EngineType
+from deepinfer_core.pd.pending_write import PendingWrite
+from deepinfer_core.roles import EngineType, require_role
 from deepinfer_core.sampling_params import SamplingParams
 from deepinfer_core.scheduler.outputs import SchedulerOutputs
 from deepinfer_core.sequence import Sequence
 from deepinfer_core.spec_decode.handoff import encode_hidden, has_mtp_layer
 from deepinfer_core.transfer.layout import KVLayout
 from deepinfer_core.transfer.messages import HandoffNotice, KVRegion, KVTarget
-from deepinfer_core.transfer.nixl_agent import NixlKVAgent, PreparedWrite, Transfer
+from deepinfer_core.transfer.nixl_agent import NixlKVAgent, PreparedWrite
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class _Pending:
-    """One request's writes to its CE: chunk writes first (streamed), the hand-off's last."""
-
-    seq: Sequence
-    target: KVTarget
-    transfers: list[Transfer] = field(default_factory=list)
-    """Posted and not yet known to be done."""
-    sent_blocks: int = 0
-    """Blocks of the block table posted so far (a prefix)."""
-    num_bytes: int = 0
-    first_post: float = 0.0
-    last_post: float = 0.0
-    error: Optional[str] = None
-    seconds: float = 0.0
-    exposed_seconds: float = 0.0
-    last_hidden: Optional[torch.Tensor] = None
-    """[H]: the prompt's last hidden state, for a CE that drafts (models with an MTP layer)."""
 
 
 class PromptEngine(LLMEngine):
@@ -75,8 +53,7 @@ class PromptEngine(LLMEngine):
     """L2 + L3 of the KV cache system (None: not configured)."""
 
     def __init__(self, config, *args, **kwargs):
-        if config.engine_type != EngineType.PROMPT:
-            raise ValueError(f"PromptEngine needs engine_type=PROMPT, got {config.engine_type.name}")
+        require_role(config.engine_type, EngineType.PROMPT, "PromptEngine")
         self.transfer_timeout_s = config.pd.transfer_timeout_s
         super().__init__(config, *args, **kwargs)
 
@@ -93,9 +70,9 @@ class PromptEngine(LLMEngine):
         """Hand-offs carry the prompt's last hidden state (a CE drafts with the MTP layer from it)."""
         self._chunks: list[tuple[Sequence, int]] = []  # (seq, tokens computed once this step ends)
         self._deferred: list[tuple[Sequence, int, object]] = []  # chunks to post next step, + forward event
-        self._streams: dict[str, _Pending] = {}  # mid-prompt requests with chunk writes posted
-        self._inflight: list[_Pending] = []
-        self._done: list[_Pending] = []
+        self._streams: dict[str, PendingWrite] = {}  # mid-prompt requests with chunk writes posted
+        self._inflight: list[PendingWrite] = []
+        self._done: list[PendingWrite] = []
         self.handoff_results: list[HandoffResult] = []
         self.num_computed_prompt_tokens = 0
         self.kv_store = open_store(self.config, self.cache, self.layout, self.name)
@@ -221,7 +198,7 @@ class PromptEngine(LLMEngine):
                 continue
             if forward_done is not None:
                 forward_done.synchronize()
-            stream = self._streams.setdefault(seq.request_id, _Pending(seq, self.targets[seq.request_id]))
+            stream = self._streams.setdefault(seq.request_id, PendingWrite(seq, self.targets[seq.request_id]))
             self._post(stream, computed // bs)  # only full blocks: the next chunk still writes the last one
         if self._handoff:
             self._post_handoffs()
@@ -235,7 +212,7 @@ class PromptEngine(LLMEngine):
         asynchronous), so that only the posts remain on time-to-first-token."""
         bm = self.scheduler.block_manager
         pending = [
-            self._streams.pop(s.request_id, None) or _Pending(s, self.targets[s.request_id]) for s in self._handoff
+            self._streams.pop(s.request_id, None) or PendingWrite(s, self.targets[s.request_id]) for s in self._handoff
         ]
         upto = [bm.blocks_needed(len(p.seq)) for p in pending]
         hidden, self.worker.runner.last_hidden = self.worker.runner.last_hidden, None  # not kept past the step
@@ -261,12 +238,12 @@ class PromptEngine(LLMEngine):
                 self.agent.discard(write)
         self._inflight.extend(pending)
 
-    def _post(self, pending: _Pending, upto: int, layers: Optional[range] = None, advance: bool = True) -> None:
+    def _post(self, pending: PendingWrite, upto: int, layers: Optional[range] = None, advance: bool = True) -> None:
         """Post a WRITE of blocks [sent_blocks, upto) of the request's table (of `layers`, default
         all) into the same CE blocks; `advance`: those blocks are then sent (every layer group is)."""
         self._submit(pending, self._prepare(pending, upto, layers), upto, advance)
 
-    def _prepare(self, pending: _Pending, upto: int, layers: Optional[range]) -> Optional[PreparedWrite]:
+    def _prepare(self, pending: PendingWrite, upto: int, layers: Optional[range]) -> Optional[PreparedWrite]:
         """The request of `_post`'s WRITE, made but not posted; None when there is nothing to send
         or the request has failed (its error recorded)."""
         target = pending.target
@@ -288,7 +265,7 @@ class PromptEngine(LLMEngine):
             pending.error = str(e)
             return None
 
-    def _submit(self, pending: _Pending, write: Optional[PreparedWrite], upto: int, advance: bool) -> None:
+    def _submit(self, pending: PendingWrite, write: Optional[PreparedWrite], upto: int, advance: bool) -> None:
         if write is None:
             return
         if pending.error is not None or self._expired(pending):  # an earlier group failed, or the lease ran out
@@ -304,13 +281,13 @@ class PromptEngine(LLMEngine):
         pending.first_post = pending.first_post or transfer.started
 
     @staticmethod
-    def _expired(pending: _Pending) -> bool:
+    def _expired(pending: PendingWrite) -> bool:
         if pending.target.expires_at and time.time() > pending.target.expires_at:
             pending.error = pending.error or "the KV reservation expired before the prefill finished"
             return True
         return False
 
-    def _wait_all(self, pending: _Pending) -> None:
+    def _wait_all(self, pending: PendingWrite) -> None:
         """Wait for every posted write of the request; the first failure is its error."""
         for transfer in pending.transfers:
             try:
@@ -345,7 +322,7 @@ class PromptEngine(LLMEngine):
             self._hand_off(pending)
         self._done = []
 
-    def _hand_off(self, pending: _Pending) -> None:
+    def _hand_off(self, pending: PendingWrite) -> None:
         seq, target = pending.seq, pending.target
         ok = pending.error is None
         notice = HandoffNotice(

@@ -16,6 +16,15 @@ prompt that is mostly cached elsewhere, are the prefill pool's."""
 
 def add_parser(sub) -> None:
     p = sub.add_parser("serve", help="serve a model: gateway (HTTP + gRPC), router and P/D workers on Ray")
+    _add_pool_flags(p)
+    _add_engine_flags(p)
+    _add_admission_flags(p)
+    _add_cluster_flags(p)
+    p.set_defaults(func=run)
+
+
+def _add_pool_flags(p) -> None:
+    """The model, the ports and the pools (sizes, expert-parallel ranks)."""
     p.add_argument("--model", default=None, help="Hugging Face model directory (default: the embedded tiny model)")
     p.add_argument("--served-model-name", default=None, help="the model id clients use (default: the directory name)")
     p.add_argument("--host", default="127.0.0.1", help="address of the HTTP and gRPC servers (default: 127.0.0.1)")
@@ -46,6 +55,10 @@ def add_parser(sub) -> None:
     p.add_argument(
         "--eplb-interval", type=int, default=None, help="counted steps between rearrangements (default: the role's)"
     )
+
+
+def _add_engine_flags(p) -> None:
+    """Every engine's sizes and numerics."""
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument(
         "--block-size", type=int, default=None, help="tokens per KV block (default: 64 for MLA models on CUDA, else 16)"
@@ -61,6 +74,10 @@ def add_parser(sub) -> None:
     )
     p.add_argument("--dtype", default="auto")
     p.add_argument("--device", default="auto")
+
+
+def _add_admission_flags(p) -> None:
+    """What the front door admits and how long a request may take."""
     p.add_argument("--max-n", type=int, default=RequestLimits.max_n, help="largest n a request may ask for")
     p.add_argument(
         "--max-concurrent-requests",
@@ -101,6 +118,10 @@ def add_parser(sub) -> None:
         default=RequestLimits.request_timeout_s,
         help="end-to-end deadline per request (s)",
     )
+
+
+def _add_cluster_flags(p) -> None:
+    """Ray, the controller, migration, conditional disaggregation, the KV store, images and security."""
     p.add_argument("--engine-threads", type=int, default=1, help="torch threads per engine on CPU")
     p.add_argument("--gpus-per-worker", type=float, default=None, help="default: 1 when CUDA is present, else 0")
     p.add_argument("--num-cpus", type=int, default=None, help="CPUs of the local Ray node")
@@ -138,7 +159,6 @@ def add_parser(sub) -> None:
     kv_store_args.add_arguments(p)
     _add_media_flags(p)
     security_args.add_arguments(p)
-    p.set_defaults(func=run)
 
 
 def _add_media_flags(p) -> None:
@@ -190,35 +210,14 @@ def _media_limits(args: argparse.Namespace):
 
 
 def config_from_args(args: argparse.Namespace):
-    from deepinfer_core.config import PDConfig
     from services.controller.serve_config import HeadConfig
-    from services.workers.spec import EngineSettings
 
-    engine_args = EngineSettings(
-        model=args.model,
-        dtype=args.dtype,
-        device=args.device,
-        block_size=args.block_size,
-        max_num_seqs=args.max_num_seqs,
-        num_speculative_tokens=args.num_speculative_tokens,
-        max_model_len=args.max_model_len or None,
-        num_gpu_blocks=args.num_blocks or None,
-        kv_store=kv_store_args.config_from_args(args),
-        pd=PDConfig(local_prefill_tokens=args.local_prefill_tokens),
-        eplb=_eplb(args),
-    )
+    _check_sizes(args)
     gpus = args.gpus_per_worker
     if gpus is None:
         import torch
 
         gpus = 1.0 if torch.cuda.is_available() and args.device != "cpu" else 0.0
-    if args.migration_limit < 0:
-        raise ValueError("--migration-limit must be >= 0")
-    if args.api_workers < 1:
-        raise ValueError("--api-workers must be at least 1")
-    for name in ("prefill", "decode"):
-        if getattr(args, name) < (0 if name == "prefill" and args.colocated else 1):
-            raise ValueError(f"--{name} must be at least 1")
     config = HeadConfig(
         encoder=_encoders(args),
         served_model_name=args.served_model_name,
@@ -228,7 +227,7 @@ def config_from_args(args: argparse.Namespace):
         prefill=args.prefill,
         decode=args.decode,
         colocated=args.colocated,
-        engine_args=engine_args,
+        engine_args=_engine_settings(args),
         **security_args.head_settings(args),
         limits=RequestLimits(max_n=args.max_n, request_timeout_s=args.request_timeout),
         max_concurrent_requests=args.max_concurrent_requests,
@@ -251,6 +250,36 @@ def config_from_args(args: argparse.Namespace):
     )
     config.check_expert_parallel()
     return config
+
+
+def _engine_settings(args: argparse.Namespace):
+    """Every engine's settings, from the flags."""
+    from deepinfer_core.config import PDConfig
+    from services.workers.spec import EngineSettings
+
+    return EngineSettings(
+        model=args.model,
+        dtype=args.dtype,
+        device=args.device,
+        block_size=args.block_size,
+        max_num_seqs=args.max_num_seqs,
+        num_speculative_tokens=args.num_speculative_tokens,
+        max_model_len=args.max_model_len or None,
+        num_gpu_blocks=args.num_blocks or None,
+        kv_store=kv_store_args.config_from_args(args),
+        pd=PDConfig(local_prefill_tokens=args.local_prefill_tokens),
+        eplb=_eplb(args),
+    )
+
+
+def _check_sizes(args: argparse.Namespace) -> None:
+    if args.migration_limit < 0:
+        raise ValueError("--migration-limit must be >= 0")
+    if args.api_workers < 1:
+        raise ValueError("--api-workers must be at least 1")
+    for name in ("prefill", "decode"):
+        if getattr(args, name) < (0 if name == "prefill" and args.colocated else 1):
+            raise ValueError(f"--{name} must be at least 1")
 
 
 def _eplb(args: argparse.Namespace):

@@ -162,7 +162,7 @@ class DecodeCore(WorkerCore):
 
     async def abort(self, request_id: str, unused: bool = False) -> bool:
         """End a request; `unused`: a CE reservation no PE was given, whose blocks are free at once."""
-        if not unused or self.engine.engine_type != EngineType.COMPLETION:
+        if not unused:
             return await super().abort(request_id)
         found = self._forget(request_id)
         if self.host.alive:
@@ -191,7 +191,7 @@ def _release_unused(engine, request_id):
 
 
 def _add(engine, request_id, params, prompt_token_ids, multi_modal_data=None):
-    if engine.engine_type == EngineType.COMPLETION:
+    if engine.role.prefills_short_prompts:  # a CE: a prompt it prefills itself (conditional disaggregation)
         engine.add_local_prefill(request_id, params, prompt_token_ids)
     else:
         engine.add_request(

@@ -53,7 +53,7 @@ class EngineHost:
         self._thread = threading.Thread(target=self._run, name=f"engine-{engine.name}", daemon=True)
         self.lockstep = None
         """An expert-parallel rank steps with its instance (`LockstepRank`): every turn is a beat."""
-        if getattr(engine, "group", None) is not None:
+        if engine.group is not None:
             from deepinfer_core.distributed.lockstep import LockstepRank
 
             self.lockstep = LockstepRank(engine, engine.group, peer_timeout_s=_PEER_TIMEOUT_S)

@@ -33,6 +33,30 @@ _SCHEMA = (
     "INSERT OR IGNORE INTO totals VALUES ('bytes', 0)",
 )
 _BATCH = 500  # keys per IN (...) query, well under SQLite's variable limit
+_LOCK_WAIT_S = 30.0
+
+
+def _enter_wal(db: sqlite3.Connection, path: str) -> None:
+    """Switch the file to WAL (once per file: the mode is stored in it).
+
+    The switch needs the exclusive lock, and when several processes open a new directory at once
+    SQLite answers a contended switch with "database is locked" at once instead of waiting on its
+    busy timeout (it does not wait where waiting could deadlock): so retry, bounded."""
+    deadline = time.monotonic() + _LOCK_WAIT_S
+    delay = 0.005
+    while True:
+        try:
+            mode = db.execute("PRAGMA journal_mode=WAL").fetchone()[0]
+            if str(mode).lower() == "wal":
+                return
+            raise sqlite3.OperationalError(f"{path}: the filesystem refused WAL mode (journal mode is {mode})")
+        except sqlite3.OperationalError as e:
+            if "locked" not in str(e) and "busy" not in str(e):
+                raise
+            if time.monotonic() > deadline:
+                raise sqlite3.OperationalError(f"{path}: still locked after {_LOCK_WAIT_S:.0f} s") from e
+            time.sleep(delay)
+            delay = min(delay * 2, 0.2)
 
 
 @dataclass
@@ -60,8 +84,8 @@ class StoreIndex:
     def _db(self) -> sqlite3.Connection:
         db = getattr(self._local, "db", None)
         if db is None:
-            db = sqlite3.connect(self._db_path, timeout=30.0, isolation_level=None)
-            db.execute("PRAGMA journal_mode=WAL")
+            db = sqlite3.connect(self._db_path, timeout=_LOCK_WAIT_S, isolation_level=None)
+            _enter_wal(db, self._db_path)
             db.execute("PRAGMA synchronous=NORMAL")
             self._local.db = db
         return db

@@ -91,3 +91,32 @@ def test_processes_sharing_a_directory_never_exceed_the_limit(tmp_path):
         assert w.exitcode == 0
     index = _index(tmp_path)
     assert peak <= 5 * SIZE and directory_bytes(tmp_path) == index.total_bytes() <= 5 * SIZE
+
+
+def _open_at_once(directory, barrier, errors) -> None:
+    barrier.wait()
+    try:
+        _index(directory)
+    except Exception as e:  # reported to the parent, which fails the test
+        errors.put(repr(e))
+
+
+def test_many_processes_opening_a_new_directory_at_once_all_succeed(tmp_path):
+    """The ranks of an instance start together on one fresh directory: each must open it (the
+    switch to WAL is contended then, and SQLite refuses it at once rather than waiting)."""
+    ctx = mp.get_context("fork")
+    errors = ctx.Queue()
+    for attempt in range(20):
+        directory = tmp_path / str(attempt)
+        directory.mkdir()
+        barrier = ctx.Barrier(10)
+        procs = [ctx.Process(target=_open_at_once, args=(directory, barrier, errors)) for _ in range(10)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(60)
+            assert p.exitcode == 0
+    failures = []
+    while not errors.empty():
+        failures.append(errors.get())
+    assert failures == []

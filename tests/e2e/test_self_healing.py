@@ -27,7 +27,7 @@ def _differences(texts: list[str], reference: list[str]) -> str:
         if got != want:
             k = next((j for j, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
             out.append(
-                f"stream {i} at char {k} of {len(want)} (got {len(got)}): {want[k - 30 : k + 30]!r} != {got[k - 30 : k + 30]!r}"
+                f"stream {i} at char {k} of {len(want)} (got {len(got)}): {want[max(0, k - 30) : k + 30]!r} != {got[max(0, k - 30) : k + 30]!r}"
             )
     return "; ".join(out)
 

@@ -1,10 +1,11 @@
 """Loading the draft (MTP) model beside the target, only on an engine that drafts.
 
 A PE never calls this (`SchedulerConfig.num_speculative_tokens` is 0 for its role), so it reads
-none of the draft-only tensors. The built-in tiny model's MTP layer is made from the engine seed
-without touching the target's draws: its block is the target's last layer, its embedding and head
-the target's (`init_from_target_last_layer`), so its drafts are sometimes right; a layer drawn
-at random would never be.
+none of the draft-only tensors. The MTP layer of the built-in tiny model and of random
+(`load_format="dummy"`) weights is made from the target without touching the target's draws: its
+block is the target's last layer, its embedding and head the target's
+(`init_from_target_last_layer`), so its drafts are sometimes right; a layer drawn at random would
+never be.
 """
 
 from __future__ import annotations
@@ -15,9 +16,6 @@ from torch import nn
 from deepinfer_core.config import ModelConfig
 from deepinfer_core.models.hf_config import normalize_hf_config
 from deepinfer_core.models.mtp import DeepseekMTP
-
-MTP_SEED_OFFSET = 1_000_003
-"""`load_format="dummy"`: the MTP layer's generator seed is the engine seed plus this."""
 
 
 def text_config(model_config: ModelConfig) -> dict:
@@ -32,12 +30,7 @@ def load_mtp(model_config: ModelConfig, device: torch.device, target: nn.Module)
         ValueError: the model is no DeepSeek-V3 with `num_nextn_predict_layers` >= 1 (the built-in
             model always has one), or the checkpoint's MTP tensors are incomplete.
     """
-    from deepinfer_core.models.loader import (
-        init_dummy_weights,
-        load_checkpoint,
-        read_tensor_names,
-        weight_files,
-    )
+    from deepinfer_core.models.loader import load_checkpoint, read_tensor_names, weight_files
     from deepinfer_core.models.quantization import fp8_block_size
 
     cfg = text_config(model_config)
@@ -50,11 +43,8 @@ def load_mtp(model_config: ModelConfig, device: torch.device, target: nn.Module)
         raise ValueError(f"MTP drafting supports DeepSeek-V3 checkpoints, not {cfg.get('model_type')!r}")
     with torch.device(device):
         mtp = DeepseekMTP(cfg, model_config.dtype)
-    std = cfg.get("initializer_range") or model_config.hf_config.get("initializer_range", 0.02)
-    if model_config.builtin:
-        init_from_target_last_layer(mtp, target)
-    elif model_config.load_format == "dummy":
-        init_dummy_weights(mtp, model_config.seed + MTP_SEED_OFFSET, std)
+    if model_config.builtin or model_config.load_format == "dummy":
+        init_from_target_last_layer(mtp, target)  # before any graph capture reads its tensors
     else:
         shards = read_tensor_names(weight_files(model_config.path))
         held = {f: [n for n in names if mtp.rename(n) is not None] for f, names in shards.items()}

@@ -15,9 +15,9 @@ from __future__ import annotations
 import torch
 
 
-def accept_greedy(target_logits: torch.Tensor, drafts: list[int]) -> list[int]:
-    """target_logits [k+1, V] at the last token and each draft; returns accepted drafts + 1 token."""
-    best = target_logits.argmax(dim=-1).tolist()  # [k+1]
+def accept_greedy(best: list[int], drafts: list[int]) -> list[int]:
+    """best: the target's argmax at the last token and at each draft (k + 1 of them); returns
+    accepted drafts + 1 token."""
     out = []
     for j, d in enumerate(drafts):
         if best[j] != d:

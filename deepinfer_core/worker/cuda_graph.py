@@ -1,8 +1,13 @@
 """CUDA graphs for decode steps (NORMAL and COMPLETION roles; never PROMPT, SPEC §1).
 
 One graph per batch-size bucket, captured over static input buffers and a block-table
-width that covers max_model_len. A step of B sequences runs the smallest bucket >= B:
+width that covers max_model_len. A step of B attention rows runs the smallest bucket >= B:
 padded rows write their K/V into the cache's scratch block and their outputs are dropped.
+
+An engine that drafts `nextn` tokens verifies `1 + nextn` tokens per sequence, fed as one
+attention row per token (`input_batch.token_row_attention`): its buckets reach
+`max_num_seqs * (1 + nextn)` rows, and the draft (MTP) layer has graphs of its own
+(`DraftGraphs`, over the draft's KV layer and the target hidden states it reads).
 """
 
 from __future__ import annotations
@@ -22,9 +27,10 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-def batch_buckets(max_num_seqs: int) -> list[int]:
-    sizes = [1, 2, 4, 8] + list(range(16, 257, 16))
-    top = min(max_num_seqs, 256)
+def batch_buckets(max_num_seqs: int, tokens_per_seq: int = 1) -> list[int]:
+    """Row counts captured: up to 256 sequences' worth of `tokens_per_seq` rows each."""
+    sizes = [1, 2, 4, 8] + list(range(16, 257, 16)) + list(range(288, 256 * tokens_per_seq + 1, 32))
+    top = min(max_num_seqs * tokens_per_seq, 256 * tokens_per_seq)
     return [s for s in sizes if s < top] + [top]
 
 
@@ -34,7 +40,8 @@ class DecodeGraphs:
         cache = runner.cache
         self.block_size = runner.block_size
         self.width = (runner.config.scheduler.max_model_len + self.block_size - 1) // self.block_size
-        self.buckets = batch_buckets(runner.config.scheduler.max_num_seqs)
+        sched = runner.config.scheduler
+        self.buckets = batch_buckets(sched.max_num_seqs, sched.num_decode_tokens_per_seq)
         n, dev = self.buckets[-1], runner.device
         self.input_ids = torch.zeros(n, dtype=torch.int64, device=dev)
         self.positions = torch.zeros(n, dtype=torch.int64, device=dev)
@@ -45,8 +52,8 @@ class DecodeGraphs:
         self.outputs: dict[int, torch.Tensor] = {}
 
     @classmethod
-    def capture(cls, runner: ModelRunner) -> DecodeGraphs:
-        self = cls(runner)
+    def capture(cls, runner: ModelRunner, *args) -> DecodeGraphs:
+        self = cls(runner, *args)
         pool = torch.cuda.graph_pool_handle()
         # Nothing but the forward may touch CUDA while a graph is captured. A garbage collection
         # in the middle would free pinned host buffers of earlier steps, and the pinned allocator
@@ -68,7 +75,7 @@ class DecodeGraphs:
             if gc_was_on:
                 gc.enable()
         torch.cuda.synchronize()
-        logger.info("captured decode CUDA graphs for batch sizes %s", self.buckets)
+        logger.info("captured %s for batch sizes %s", type(self).__name__, self.buckets)
         return self
 
     def _meta(self, bs: int) -> AttentionMetadata:
@@ -93,18 +100,45 @@ class DecodeGraphs:
         return b <= self.buckets[-1] and inp.attn_meta.block_tables.shape[1] <= self.width
 
     def run(self, inp: ModelInput) -> torch.Tensor:
-        b = inp.input_ids.shape[0]
+        return self._replay(inp.input_ids, inp.positions, inp.attn_meta)
+
+    def _replay(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """The output is a view of the graph's static buffer: valid until its next replay."""
+        b = input_ids.shape[0]
         bs = next(s for s in self.buckets if s >= b)
         scratch = self.runner.cache.scratch_block
-        self.input_ids[:b].copy_(inp.input_ids)
-        self.positions[:b].copy_(inp.positions)
-        self.slot_mapping[:b].copy_(inp.attn_meta.slot_mapping)
+        self.input_ids[:b].copy_(input_ids)
+        self.positions[:b].copy_(positions)
+        self.slot_mapping[:b].copy_(meta.slot_mapping)
         self.slot_mapping[b:bs].fill_(scratch * self.block_size)
-        w = inp.attn_meta.block_tables.shape[1]
-        self.block_tables[:b, :w].copy_(inp.attn_meta.block_tables)
+        w = meta.block_tables.shape[1]
+        self.block_tables[:b, :w].copy_(meta.block_tables)
         self.block_tables[:b, w:].fill_(scratch)
         self.block_tables[b:bs].fill_(scratch)
-        self.seq_lens[:b].copy_(inp.attn_meta.seq_lens)
+        self.seq_lens[:b].copy_(meta.seq_lens)
         self.seq_lens[b:bs].fill_(1)
         self.graphs[bs].replay()
         return self.outputs[bs][:b]
+
+
+class DraftGraphs(DecodeGraphs):
+    """The MTP layer's decode-shaped passes (one row per position) over its own KV layer. A pool of
+    its own: replaying it leaves the target graphs' outputs (the hidden states it reads) intact."""
+
+    def __init__(self, runner: ModelRunner, draft):
+        super().__init__(runner)
+        self.draft = draft
+        n = self.buckets[-1]
+        self.prev_hidden = torch.zeros(n, draft.args.hidden_size, dtype=runner.config.model.dtype, device=runner.device)
+
+    @torch.inference_mode()
+    def _forward(self, bs: int) -> torch.Tensor:
+        kv = self.runner.cache.draft_kv_caches[0]
+        return self.draft(self.input_ids[:bs], self.positions[:bs], self.prev_hidden[:bs], kv, self._meta(bs))
+
+    def can_run_rows(self, rows: int, meta: AttentionMetadata) -> bool:
+        return meta.is_decode_only and rows <= self.buckets[-1] and meta.block_tables.shape[1] <= self.width
+
+    def run_draft(self, input_ids, positions, prev_hidden, meta: AttentionMetadata) -> torch.Tensor:
+        self.prev_hidden[: input_ids.shape[0]].copy_(prev_hidden)
+        return self._replay(input_ids, positions, meta)

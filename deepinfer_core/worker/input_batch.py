@@ -39,7 +39,10 @@ def build_model_input(
     block_size: int,
     device: torch.device,
     want_prompt_logprobs: bool = True,
+    token_rows: bool = False,
 ) -> ModelInput:
+    """`token_rows`: every new token is its own attention row (`token_row_attention`), so a step of
+    a few tokens per sequence (speculative verification) runs the decode kernels and graphs."""
     tokens: list[int] = []
     positions: list[int] = []
     slots: list[int] = []
@@ -66,22 +69,10 @@ def build_model_input(
             last = min(end, seq.num_prompt_tokens - 1)  # position p scores token p + 1
             if last > start:
                 spans.append((i, row0, last - start, start))
-    width = max(max((len(s.block_table) for s in seqs), default=1), 1)
-    table = [s.block_table + [0] * (width - len(s.block_table)) for s in seqs]  # one tensor build, not one per row
-    if not seqs:
-        table = torch.zeros((0, 1), dtype=torch.int32)
-    qsl = [0]
-    for q in query_lens:
-        qsl.append(qsl[-1] + q)
-    meta = AttentionMetadata(
-        slot_mapping=to_device(slots, torch.int64, device),
-        block_tables=to_device(table, torch.int32, device),
-        query_start_loc=to_device(qsl, torch.int32, device),
-        seq_lens=to_device(seq_lens, torch.int32, device),
-        query_lens_cpu=query_lens,
-        seq_lens_cpu=seq_lens,
-        is_decode_only=all(q == 1 for q in query_lens),
-    )
+    if token_rows and seqs:
+        meta = token_row_attention(seqs, [e - q for e, q in zip(seq_lens, query_lens)], query_lens, slots, device)
+    else:
+        meta = _sequence_attention(seqs, slots, query_lens, seq_lens, device)
     return ModelInput(
         input_ids=to_device(tokens, torch.int64, device),
         positions=to_device(positions, torch.int64, device),
@@ -90,6 +81,47 @@ def build_model_input(
         prompt_logprob_spans=spans,
         mm_rows=to_device(mm_rows, torch.int64, device) if mm_rows else None,
         mm_embeds=torch.cat(mm_embeds).to(device) if mm_embeds else None,
+    )
+
+
+def _block_table_rows(seqs: list[Sequence], repeats: list[int]) -> list[list[int]]:
+    width = max(max((len(s.block_table) for s in seqs), default=1), 1)
+    return [s.block_table + [0] * (width - len(s.block_table)) for s, r in zip(seqs, repeats) for _ in range(r)]
+
+
+def _sequence_attention(seqs, slots, query_lens, seq_lens, device) -> AttentionMetadata:
+    """One attention row per sequence, its new tokens causal over its context."""
+    table = _block_table_rows(seqs, [1] * len(seqs)) if seqs else torch.zeros((0, 1), dtype=torch.int32)
+    qsl = [0]
+    for q in query_lens:
+        qsl.append(qsl[-1] + q)
+    return AttentionMetadata(
+        slot_mapping=to_device(slots, torch.int64, device),
+        block_tables=to_device(table, torch.int32, device),  # one tensor build, not one per row
+        query_start_loc=to_device(qsl, torch.int32, device),
+        seq_lens=to_device(seq_lens, torch.int32, device),
+        query_lens_cpu=query_lens,
+        seq_lens_cpu=seq_lens,
+        is_decode_only=all(q == 1 for q in query_lens),
+    )
+
+
+def token_row_attention(
+    seqs: list[Sequence], starts: list[int], counts: list[int], slots: list[int], device: torch.device
+) -> AttentionMetadata:
+    """One attention row per new token: the token at position p of sequence s reads s's blocks up to
+    p (its row's length is p + 1). Every new token's KV is written before attention, so this is the
+    causal attention of the sequence's new tokens, in the one-token-per-row shape of decode: the
+    decode kernels (and captured decode graphs) run it instead of the per-sequence prefill path."""
+    lens = [p + 1 for s, n in zip(starts, counts) for p in range(s, s + n)]
+    return AttentionMetadata(
+        slot_mapping=to_device(slots, torch.int64, device),
+        block_tables=to_device(_block_table_rows(seqs, counts), torch.int32, device),
+        query_start_loc=to_device(list(range(len(lens) + 1)), torch.int32, device),
+        seq_lens=to_device(lens, torch.int32, device),
+        query_lens_cpu=[1] * len(lens),
+        seq_lens_cpu=lens,
+        is_decode_only=True,
     )
 
 

@@ -104,6 +104,7 @@ class ModelRunner:
             not config.enforce_eager and config.role.cuda_graphs_allowed and device.type == "cuda" and ep is None
         )
         self.graphs = None  # decode CUDA graphs, captured after the cache exists
+        self.draft_graphs = None  # the draft (MTP) layer's decode graphs, on an engine that drafts
         self.forward_event: Optional[torch.cuda.Event] = None
         """Recorded after the last launched forward (CUDA): KV of that step is written once it completes."""
         self.want_layer_events = False

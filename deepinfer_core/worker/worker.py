@@ -110,7 +110,9 @@ class Worker:
             num_blocks * self.bytes_per_block / 2**20,
         )
         if self.runner.use_cuda_graph:
-            from deepinfer_core.worker.cuda_graph import DecodeGraphs
+            from deepinfer_core.worker.cuda_graph import DecodeGraphs, DraftGraphs
 
             self.runner.graphs = DecodeGraphs.capture(self.runner)
+            if self.draft is not None:
+                self.runner.draft_graphs = DraftGraphs.capture(self.runner, self.draft)
         return cache

@@ -203,6 +203,7 @@ class ClusterController:
             self.actors.pop(instance_id, None)
             raise
         self.actors[instance_id] = _Actor(pool, None, registered=True, instance=instance)
+        self.healer.watch_instance(instance_id, [h for _, h in instance.ranks])
         return instance_id
 
     def _worker_spec(self, worker_id: str, pool: int) -> WorkerSpec:

@@ -193,10 +193,12 @@ class ClusterController:
     async def _start_instance(self, pool: int, instance_id: str, placement: PoolPlacement) -> str:
         """An expert-parallel instance: every rank placed, started and registered, or none left."""
         size = self.spec.ep_sizes[pool]
+        # the pools file's GPUs are the engine's (all its ranks'); the command line's are each rank's
+        gpus = self.spec.gpus_per_worker if placement.gpus is None else placement.gpus / size
         self.actors[instance_id] = _Actor(pool, None)
         try:
             instance = await start_instance(
-                instance_id, size, lambda w: self._worker_spec(w, pool), self.spec.gpus_per_worker,
+                instance_id, size, lambda w: self._worker_spec(w, pool), gpus,
                 placement.resource, self.spec.start_timeout_s, self.spec.join_timeout_s,
             )  # fmt: skip
         except BaseException:

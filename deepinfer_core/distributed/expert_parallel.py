@@ -68,6 +68,8 @@ def shard_experts(experts: FusedExperts, slots: list[int]) -> None:
     """Keep only the experts of `slots` (logical id per local slot, repeats allowed), in place:
     every stacked tensor becomes [len(slots), ...], slot i holding expert slots[i]."""
     held = list(experts.local_experts)
+    if held == list(slots):  # built as this rank's shard (`building_local_experts`)
+        return
     idx = torch.tensor([held.index(e) for e in slots], dtype=torch.long)
     for name, p in list(experts.named_parameters(recurse=False)):
         kept = p.data.index_select(0, idx.to(p.device))

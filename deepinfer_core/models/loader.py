@@ -39,6 +39,7 @@ from tqdm import tqdm
 
 from deepinfer_core.config import ModelConfig
 from deepinfer_core.models.hf_config import normalize_hf_config
+from deepinfer_core.models.layers.moe import building_local_experts
 from deepinfer_core.models.quantization import dequantize_fp8_stream, fp8_block_size
 from deepinfer_core.models.registry import get_model_class, get_vision_encoder_class
 from kernels.fp8 import FP8_DTYPE
@@ -52,12 +53,19 @@ _MAX_LISTED = 10
 
 
 def load_model(
-    model_config: ModelConfig, device: str | torch.device, shard: Callable[[nn.Module], None] | None = None
+    model_config: ModelConfig,
+    device: str | torch.device,
+    shard: Callable[[nn.Module], None] | None = None,
+    expert_slots: list[int] | None = None,
 ) -> nn.Module:
     """The model of `model_config` on `device`, weights loaded, in eval mode.
 
     `shard(model)` (expert parallelism) runs before checkpoint weights load and after seeded
     weights are drawn, so a rank's slice of a seeded model equals the whole model's.
+    `expert_slots` (an expert-parallel rank's logical expert per local slot): from a checkpoint,
+    only those experts are built and only their tensors read, so the rank's memory at load is its
+    shard. Seeded weights (the built-in model, dummy loads) are drawn whole, then sharded: every
+    rank draws the same numbers as one process holding every expert.
 
     Raises:
         FileNotFoundError: the directory, its weights or an indexed shard is missing.
@@ -69,7 +77,8 @@ def load_model(
     model_cls = get_model_class(hf_config)
     dummy = model_config.load_format == "dummy"
     shards = None if model_config.builtin or dummy else read_tensor_names(weight_files(model_config.path))
-    with torch.device(device):
+    slots = expert_slots if shards is not None else None
+    with torch.device(device), building_local_experts(slots):
         model = model_cls(hf_config, model_config.dtype)
     check_context_limits(model, model_config)
     std = hf_config.get("initializer_range", 0.02)
@@ -173,6 +182,12 @@ def load_checkpoint(model: nn.Module, shards: dict[str, list[str]], fp8_block: t
     dequantized."""
     seen: list[str] = []
     absorbed: set[str] = set()  # FP8 factors used up by dequantizing their weight
+    skipped: set[str] = set()  # tensors the model does not read (another expert-parallel rank's experts)
+    weight_filter = getattr(model, "weight_filter", None)
+    if weight_filter is not None:
+        reads = weight_filter()
+        skipped = {n for names in shards.values() for n in names if not reads(n)}
+        shards = {f: [n for n in names if n not in skipped] for f, names in shards.items()}
 
     def tracked() -> Iterator[tuple[str, torch.Tensor]]:
         for name, tensor in iter_tensors(shards):
@@ -184,7 +199,7 @@ def load_checkpoint(model: nn.Module, shards: dict[str, list[str]], fp8_block: t
         keeps_fp8 = getattr(model, "keeps_fp8", lambda name: False)
         stream = dequantize_fp8_stream(stream, fp8_block, keeps_fp8, absorbed)
     consumed = model.load_weights(stream)
-    check_loaded(model, seen, consumed | absorbed)
+    check_loaded(model, seen + sorted(skipped), consumed | absorbed | skipped)
 
 
 def _expected_names(model: nn.Module) -> set[str]:

@@ -21,6 +21,9 @@ them. This is the torch reference; on CUDA, with every expert local, `kernels.op
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 
 import torch
@@ -179,6 +182,20 @@ def _blocks(n: int, block: int) -> int:
     return -(-n // block)
 
 
+_BUILD_SLOTS: ContextVar[list[int] | None] = ContextVar("expert_slots", default=None)
+
+
+@contextmanager
+def building_local_experts(slots: list[int] | None) -> Iterator[None]:
+    """Every `FusedExperts` built inside holds only `slots` (an expert-parallel rank's logical expert
+    per local slot) unless told otherwise: a rank allocates its shard of the experts, never all."""
+    token = _BUILD_SLOTS.set(list(slots) if slots is not None else None)
+    try:
+        yield
+    finally:
+        _BUILD_SLOTS.reset(token)
+
+
 class FusedExperts(nn.Module):
     """The local routed experts' SwiGLU weights, stacked per expert.
 
@@ -202,6 +219,8 @@ class FusedExperts(nn.Module):
         if hidden_act != "silu":
             raise ValueError(f"MoE experts need hidden_act='silu', got {hidden_act!r}")
         self.num_experts = num_experts
+        if local_experts is None:
+            local_experts = _BUILD_SLOTS.get()
         self.local_experts = local_experts if local_experts is not None else range(num_experts)
         """Logical expert of each local slot: all of them in order, or an expert-parallel rank's slots
         (a list, repeats allowed with redundant experts)."""

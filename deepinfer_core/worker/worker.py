@@ -54,8 +54,8 @@ class Worker:
         def shard(model) -> None:
             from deepinfer_core.distributed.expert_parallel import apply_expert_parallel
 
-            self.ep = apply_expert_parallel(model, group, self.config.model.dtype,
-                                            self.config.eplb.num_redundant_experts)  # fmt: skip
+            self.ep = apply_expert_parallel(model, group, self.config.model.dtype, self.config.eplb.num_redundant_experts,
+                                            self.config.parallel.moe_dispatch, self.config.scheduler.max_step_tokens)  # fmt: skip
 
         return shard
 

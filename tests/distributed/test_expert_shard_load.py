@@ -1,8 +1,10 @@
 """An expert-parallel rank loads its shard only: from a checkpoint it builds just its slots'
 experts (no tensor stacking every expert is ever allocated) and reads just its experts' tensors
 (other ranks' are skipped unread), and what it holds equals the whole model's slices. With
-redundant slots an expert held twice is read once and lands in both slots."""
+redundant slots an expert held twice is read once and lands in both slots. Dummy weights are
+drawn for its experts alone, and equal those of one process holding every expert."""
 
+import dataclasses
 import json
 
 import pytest
@@ -88,3 +90,18 @@ def test_a_rank_builds_and_reads_only_its_experts(checkpoint, ranks, redundant, 
         assert mine.local_experts == slots
         index = torch.tensor(slots)
         assert torch.equal(mine.w13_weight, ref.w13_weight[index]) and torch.equal(mine.w2_weight, ref.w2_weight[index])
+
+
+def test_a_rank_draws_dummy_weights_for_its_experts_alone(checkpoint):
+    config = dataclasses.replace(checkpoint[0], load_format="dummy")
+    whole = loader.load_model(config, "cpu")
+    slots = ExpertPlacement.initial_slots(_experts(whole)[0].num_experts, 4, 4, 2)
+    model, read, shapes = _load(config, slots)
+    assert read == []  # no weight file is opened
+    assert tuple(_experts(whole)[0].w13_weight.shape) not in shapes
+    index = torch.tensor(slots)
+    for mine, ref in zip(_experts(model), _experts(whole)):
+        assert torch.equal(mine.w13_weight, ref.w13_weight[index]) and torch.equal(mine.w2_weight, ref.w2_weight[index])
+    stacked = {n for n, _ in model.named_parameters() if ".experts.w" in n}
+    reference = dict(whole.named_parameters())
+    assert all(torch.equal(p, reference[n]) for n, p in model.named_parameters() if n not in stacked)

@@ -107,6 +107,10 @@ class ParallelConfig:
 
     """Ranks the routed experts are sharded over; each is also a DP-attention rank, so it equals
     `data_parallel_size` when > 1 (one instance of that many ranks, `deepinfer_core.distributed`)."""
+    moe_dispatch: str = "all_to_all"
+    """How an expert-parallel MoE layer moves tokens (`distributed/dispatch.py`): "all_to_all" sends
+    exactly the routed rows (counts first); "padded" sends fixed buffers sized by the role's token
+    bound (`SchedulerConfig.max_step_tokens`): static shapes, for CUDA-graph capture."""
 
     def __post_init__(self) -> None:
         for name in ("data_parallel_size", "context_parallel_size", "expert_parallel_size"):
@@ -114,6 +118,8 @@ class ParallelConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not 0 <= self.data_parallel_rank < self.data_parallel_size:
             raise ValueError(f"data_parallel_rank={self.data_parallel_rank} outside [0, {self.data_parallel_size})")
+        if self.moe_dispatch not in ("all_to_all", "padded"):
+            raise ValueError(f"unknown moe_dispatch {self.moe_dispatch!r}; choose all_to_all or padded")
         if self.expert_parallel_size > 1 and self.expert_parallel_size != self.data_parallel_size:
             raise ValueError(
                 f"expert_parallel_size={self.expert_parallel_size} needs data_parallel_size equal to it "

@@ -71,6 +71,8 @@ class EngineArgs:
     data_parallel_rank: int = 0
     context_parallel_size: int = 1
     expert_parallel_size: int = 1
+    moe_dispatch: str = "all_to_all"
+    """Expert-parallel token movement: "all_to_all" or "padded" (`ParallelConfig.moe_dispatch`)."""
     pd: Optional[PDConfig] = None
     """The P/D hand-off's timeouts and lease; None: `PDConfig()`'s defaults."""
     kv_store: Optional[KVStoreConfig] = None
@@ -155,6 +157,7 @@ class EngineArgs:
             data_parallel_rank=self.data_parallel_rank,
             context_parallel_size=self.context_parallel_size,
             expert_parallel_size=self.expert_parallel_size,
+            moe_dispatch=self.moe_dispatch,
         )
         from deepinfer_core.models.hf_config import num_routed_experts
 

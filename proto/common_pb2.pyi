@@ -303,14 +303,16 @@ class WorkerStatus(_message.Message):
     def __init__(self, info: _Optional[_Union[WorkerInfo, _Mapping]] = ..., load: _Optional[_Union[WorkerLoad, _Mapping]] = ..., state: _Optional[str] = ..., inflight: _Optional[int] = ..., prefix_chunks: _Optional[int] = ...) -> None: ...
 
 class PoolStatus(_message.Message):
-    __slots__ = ("pool", "target", "workers")
+    __slots__ = ("pool", "target", "workers", "ranks_per_instance")
     POOL_FIELD_NUMBER: _ClassVar[int]
     TARGET_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
+    RANKS_PER_INSTANCE_FIELD_NUMBER: _ClassVar[int]
     pool: Pool
     target: int
     workers: _containers.RepeatedCompositeFieldContainer[WorkerStatus]
-    def __init__(self, pool: _Optional[_Union[Pool, str]] = ..., target: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ...) -> None: ...
+    ranks_per_instance: int
+    def __init__(self, pool: _Optional[_Union[Pool, str]] = ..., target: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., ranks_per_instance: _Optional[int] = ...) -> None: ...
 
 class ClusterStatus(_message.Message):
     __slots__ = ("pools", "model", "ready", "detail")

@@ -68,6 +68,8 @@ def shard_experts(experts: FusedExperts, slots: list[int]) -> None:
     """Keep only the experts of `slots` (logical id per local slot, repeats allowed), in place:
     every stacked tensor becomes [len(slots), ...], slot i holding expert slots[i]."""
     held = list(experts.local_experts)
+    if held == list(slots):  # built as this rank's shard (`building_local_experts`)
+        return
     idx = torch.tensor([held.index(e) for e in slots], dtype=torch.long)
     for name, p in list(experts.named_parameters(recurse=False)):
         kept = p.data.index_select(0, idx.to(p.device))
@@ -117,9 +119,10 @@ def moe_blocks(model: nn.Module) -> list[SparseMoeBlock]:
 
 
 def apply_expert_parallel(model: nn.Module, group: InstanceGroup, dtype: torch.dtype, num_redundant: int = 0,
-                          backend: Optional[str] = None) -> ExpertParallel:  # fmt: skip
+                          backend: Optional[str] = None, max_tokens: int = 0) -> ExpertParallel:  # fmt: skip
     """Shard `model`'s routed experts over `group` (before its checkpoint weights load; seeded
-    weights may already be drawn: the rank's slices are kept).
+    weights may already be drawn: the rank's slices are kept). `backend`: the dispatch
+    (`make_dispatcher`); `max_tokens`: the most tokens one forward carries (the padded dispatch's bound).
 
     Raises:
         ValueError: the model has no MoE layers, or the ranks cannot split its experts evenly.
@@ -130,7 +133,8 @@ def apply_expert_parallel(model: nn.Module, group: InstanceGroup, dtype: torch.d
                          f"{type(model).__name__} has no MoE layers")  # fmt: skip
     num_experts = blocks[0].routing.num_experts
     placement = ExpertPlacement.contiguous(len(blocks), num_experts, group.size, num_redundant)
-    dispatcher = make_dispatcher(group, backend)
+    top_k = blocks[0].routing.top_k
+    dispatcher = make_dispatcher(group, backend, max_tokens, top_k, placement.slots_per_rank)
     for layer, block in enumerate(blocks):
         shard_experts(block.experts, placement.local_experts(layer, group.rank))
         block.ep = ExpertParallelMoE(layer, placement, group, dispatcher)

@@ -52,6 +52,14 @@ class ExpertPlacement:
         row = torch.arange(num_experts + num_redundant) % num_experts
         return cls(row.repeat(num_layers, 1), num_experts, num_ranks)
 
+    @staticmethod
+    def initial_slots(num_experts: int, num_ranks: int, num_redundant: int, rank: int) -> list[int]:
+        """Logical expert of each of `rank`'s slots in the contiguous placement (every MoE layer's
+        until a rearrangement): what the rank builds and loads, before any placement exists."""
+        check_expert_parallel(num_experts, num_ranks, num_redundant)
+        per_rank = (num_experts + num_redundant) // num_ranks
+        return [(rank * per_rank + i) % num_experts for i in range(per_rank)]
+
     def refresh(self) -> None:
         """Derive `logcnt` and `log2phy` from `phy2log` (after a rearrangement replaced it)."""
         L, P = self.phy2log.shape

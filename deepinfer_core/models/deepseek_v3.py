@@ -32,7 +32,7 @@ from deepinfer_core.models.layers.moe import RoutingConfig, SparseMoeBlock
 from deepinfer_core.models.layers.norm import RMSNorm
 from deepinfer_core.models.layers.rotary import get_rope, rope_parameters, yarn_mscale
 from deepinfer_core.models.quantization import fp8_block_size
-from deepinfer_core.models.weights import expected_weight_names, load_weights_by_name
+from deepinfer_core.models.weights import expected_weight_names, expert_filter, load_weights_by_name
 
 
 def mla_softmax_scale(hf_config: dict[str, Any]) -> float:
@@ -202,6 +202,10 @@ class DeepseekV3ForCausalLM(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         return load_weights_by_name(self, weights, self._rename)
+
+    def weight_filter(self):
+        """The checkpoint tensors this model reads (an expert-parallel rank: its own experts only)."""
+        return expert_filter(self, self._rename)
 
     def expected_weight_names(self) -> list[str]:
         return expected_weight_names(self)

@@ -30,6 +30,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import zlib
 from collections.abc import Callable, Iterator
 
 import torch
@@ -39,6 +40,7 @@ from tqdm import tqdm
 
 from deepinfer_core.config import ModelConfig
 from deepinfer_core.models.hf_config import normalize_hf_config
+from deepinfer_core.models.layers.moe import FusedExperts, building_local_experts
 from deepinfer_core.models.quantization import dequantize_fp8_stream, fp8_block_size
 from deepinfer_core.models.registry import get_model_class, get_vision_encoder_class
 from kernels.fp8 import FP8_DTYPE
@@ -52,12 +54,20 @@ _MAX_LISTED = 10
 
 
 def load_model(
-    model_config: ModelConfig, device: str | torch.device, shard: Callable[[nn.Module], None] | None = None
+    model_config: ModelConfig,
+    device: str | torch.device,
+    shard: Callable[[nn.Module], None] | None = None,
+    expert_slots: list[int] | None = None,
 ) -> nn.Module:
     """The model of `model_config` on `device`, weights loaded, in eval mode.
 
     `shard(model)` (expert parallelism) runs before checkpoint weights load and after seeded
     weights are drawn, so a rank's slice of a seeded model equals the whole model's.
+    `expert_slots` (an expert-parallel rank's logical expert per local slot): from a checkpoint,
+    only those experts are built and only their tensors read, and dummy weights are drawn for those
+    experts alone (per expert), so the rank's memory at load is its shard. The built-in model's
+    seeded weights are drawn whole, then sharded: every rank draws the numbers of one process
+    holding every expert.
 
     Raises:
         FileNotFoundError: the directory, its weights or an indexed shard is missing.
@@ -69,7 +79,8 @@ def load_model(
     model_cls = get_model_class(hf_config)
     dummy = model_config.load_format == "dummy"
     shards = None if model_config.builtin or dummy else read_tensor_names(weight_files(model_config.path))
-    with torch.device(device):
+    slots = expert_slots if shards is not None or dummy else None
+    with torch.device(device), building_local_experts(slots):
         model = model_cls(hf_config, model_config.dtype)
     check_context_limits(model, model_config)
     std = hf_config.get("initializer_range", 0.02)
@@ -173,6 +184,12 @@ def load_checkpoint(model: nn.Module, shards: dict[str, list[str]], fp8_block: t
     dequantized."""
     seen: list[str] = []
     absorbed: set[str] = set()  # FP8 factors used up by dequantizing their weight
+    skipped: set[str] = set()  # tensors the model does not read (another expert-parallel rank's experts)
+    weight_filter = getattr(model, "weight_filter", None)
+    if weight_filter is not None:
+        reads = weight_filter()
+        skipped = {n for names in shards.values() for n in names if not reads(n)}
+        shards = {f: [n for n in names if n not in skipped] for f, names in shards.items()}
 
     def tracked() -> Iterator[tuple[str, torch.Tensor]]:
         for name, tensor in iter_tensors(shards):
@@ -184,7 +201,7 @@ def load_checkpoint(model: nn.Module, shards: dict[str, list[str]], fp8_block: t
         keeps_fp8 = getattr(model, "keeps_fp8", lambda name: False)
         stream = dequantize_fp8_stream(stream, fp8_block, keeps_fp8, absorbed)
     consumed = model.load_weights(stream)
-    check_loaded(model, seen, consumed | absorbed)
+    check_loaded(model, seen + sorted(skipped), consumed | absorbed | skipped)
 
 
 def _expected_names(model: nn.Module) -> set[str]:
@@ -207,12 +224,14 @@ def check_loaded(model: nn.Module, seen: list[str], consumed: set[str]) -> None:
         raise ValueError(f"checkpoint has {len(unexpected)} tensor(s) the model does not use: {_listing(unexpected)}")
 
 
-def _init_weights(model: nn.Module, fill_matrix, std: float) -> None:
+def _init_weights(model: nn.Module, fill_matrix, std: float, skip: frozenset[str] = frozenset()) -> None:
     """Zero biases, ones for norms (1-D weights), `fill_matrix(param)` for matrices and embeddings.
     FP8 weights (block factors `*_scale_inv`) get the same distribution: values drawn in fp32 and
-    divided by `std`, factors of `std`."""
+    divided by `std`, factors of `std`. Parameters named in `skip` are left alone."""
     with torch.no_grad():
         for name, param in model.named_parameters():
+            if name in skip:
+                continue
             if name.endswith("bias"):
                 param.zero_()
             elif name.endswith("_scale_inv"):
@@ -241,6 +260,10 @@ def init_dummy_weights(model: nn.Module, seed: int, std: float) -> None:
     """Random weights for `load_format="dummy"`: as `init_builtin_weights`, but drawn in place on
     each parameter's device (a CUDA model's 30B parameters take a second, not the minutes a CPU
     generator would). Repeatable for a seed on one device kind.
+
+    Each routed expert is drawn from a generator of its own (seeded by the seed, its tensor's name
+    and its logical id), the rest in parameter order: an expert-parallel rank that built only its
+    experts draws exactly the numbers one process holding every expert has for them.
     """
     generators: dict[torch.device, torch.Generator] = {}
 
@@ -249,7 +272,26 @@ def init_dummy_weights(model: nn.Module, seed: int, std: float) -> None:
             generators[param.device] = torch.Generator(device=param.device).manual_seed(seed)
         param.normal_(0.0, std, generator=generators[param.device])
 
-    _init_weights(model, fill, std)
+    experts = {name: m for name, m in model.named_modules() if isinstance(m, FusedExperts)}
+    stacked = {f"{prefix}.{p}": (m, t) for prefix, m in experts.items() for p, t in m.named_parameters(recurse=False)}
+    _init_weights(model, fill, std, frozenset(stacked))
+    with torch.no_grad():
+        for name, (module, param) in stacked.items():
+            for slot, expert in enumerate(module.local_experts):
+                _fill_expert(param[slot], name, expert, seed, std)
+
+
+def _fill_expert(target: torch.Tensor, name: str, expert: int, seed: int, std: float) -> None:
+    """One expert's slice of a stacked expert tensor, by `_init_weights`' rules, from its own generator."""
+    if name.endswith("_scale_inv"):
+        target.fill_(std)
+        return
+    gen = torch.Generator(device=target.device).manual_seed(seed ^ zlib.crc32(f"{name}:{expert}".encode()))
+    if target.dtype == FP8_DTYPE:
+        drawn = torch.empty(target.shape, device=target.device).normal_(0.0, std, generator=gen)
+        target.copy_((drawn / std).to(FP8_DTYPE))
+    else:
+        target.normal_(0.0, std, generator=gen)
 
 
 def check_context_limits(model: nn.Module, model_config: ModelConfig) -> None:

@@ -20,7 +20,7 @@ from deepinfer_core.models.hf_config import normalize_hf_config
 from deepinfer_core.models.layers.moe import RoutingConfig, SparseMoeBlock
 from deepinfer_core.models.llama import LlamaForCausalLM
 from deepinfer_core.models.quantization import fp8_block_size
-from deepinfer_core.models.weights import expected_weight_names, load_weights_by_name
+from deepinfer_core.models.weights import expected_weight_names, expert_filter, load_weights_by_name
 
 
 def num_experts(cfg: dict[str, Any]) -> int:
@@ -77,6 +77,10 @@ class Qwen3MoeForCausalLM(LlamaForCausalLM):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         return load_weights_by_name(self, weights, self._rename)
+
+    def weight_filter(self):
+        """The checkpoint tensors this model reads (an expert-parallel rank: its own experts only)."""
+        return expert_filter(self, self._rename)
 
     def expected_weight_names(self) -> list[str]:
         return expected_weight_names(self)

@@ -6,6 +6,8 @@ checkpoint, `.weight_scale_inv`), which `FusedExperts` copies into its stacked s
 returns None for tensors the model knows but does not hold (an MTP layer, an unused vision
 layer, another rank's half of a checkpoint).
 
+`expert_filter` names the tensors an expert-parallel rank need not read: other ranks' experts.
+
 `load_weights_by_name` returns every checkpoint name it consumed plus the canonical names it
 filled; `expected_weight_names` lists the canonical names a complete load must fill, so the
 loader's missing/unexpected check works whatever the checkpoint's spelling.
@@ -67,6 +69,21 @@ def load_weights_by_name(
         copy_param(param, tensor, name)
         consumed.update((name, target))
     return consumed
+
+
+def expert_filter(model: nn.Module, rename: Rename) -> Callable[[str], bool]:
+    """Whether the model reads a checkpoint tensor: False for a routed expert's tensor no local
+    slot holds (another expert-parallel rank's), which the loader then skips unread."""
+    held = {prefix: set(m.local_experts) for prefix, m in _expert_modules(model).items()}
+
+    def reads(name: str) -> bool:
+        target = rename(name)
+        match = _EXPERT.match(target) if target else None
+        if match is None or match["prefix"] not in held:
+            return True
+        return int(match["expert"]) in held[match["prefix"]]
+
+    return reads
 
 
 def expected_weight_names(model: nn.Module) -> list[str]:

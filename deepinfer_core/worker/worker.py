@@ -31,7 +31,9 @@ class Worker:
             torch.cuda.set_device(self.device)
         self.ep: Optional[ExpertParallel] = None
         """Expert-parallel state of this rank (placement, load counters); None without EP."""
-        self.model = load_model(config.model, self.device, self._expert_parallel_shard(group))
+        self.model = load_model(
+            config.model, self.device, self._expert_parallel_shard(group), self._expert_slots(group)
+        )
         self.draft = None
         """The MTP draft layer, loaded only where the role drafts (`num_speculative_tokens` > 0)."""
         if config.scheduler.num_speculative_tokens > 0:
@@ -52,10 +54,21 @@ class Worker:
         def shard(model) -> None:
             from deepinfer_core.distributed.expert_parallel import apply_expert_parallel
 
-            self.ep = apply_expert_parallel(model, group, self.config.model.dtype,
-                                            self.config.eplb.num_redundant_experts)  # fmt: skip
+            self.ep = apply_expert_parallel(model, group, self.config.model.dtype, self.config.eplb.num_redundant_experts,
+                                            self.config.parallel.moe_dispatch, self.config.scheduler.max_step_tokens)  # fmt: skip
 
         return shard
+
+    def _expert_slots(self, group: Optional[InstanceGroup]) -> Optional[list[int]]:
+        """An expert-parallel rank's experts (before any rearrangement): all it builds and loads."""
+        parallel = self.config.parallel
+        if parallel.expert_parallel_size == 1 or group is None:
+            return None
+        from deepinfer_core.distributed.placement import ExpertPlacement
+        from deepinfer_core.models.hf_config import num_routed_experts
+
+        return ExpertPlacement.initial_slots(num_routed_experts(self.config.model.hf_config), group.size,
+                                             self.config.eplb.num_redundant_experts, group.rank)  # fmt: skip
 
     @property
     def num_draft_kv_layers(self) -> int:

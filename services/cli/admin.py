@@ -33,7 +33,7 @@ def format_status(status: common_pb2.ClusterStatus) -> str:
     )
     for pool in status.pools:
         name = POOL_LABELS.get(pool.pool, str(pool.pool))
-        lines.append(f"{name} pool: {len(pool.workers)} worker(s), target {pool.target}")
+        lines.append(f"{name} pool: {status_lines.pool_size(pool)}")
         if pool.workers:
             lines.append(header)
         if pool.pool == common_pb2.POOL_PREFILL and pool.workers:

@@ -9,8 +9,8 @@ from services.cli import admin
 
 def add_parser(sub) -> None:
     p = sub.add_parser("scale", help="change pool sizes of a running cluster (removed workers drain first)")
-    p.add_argument("--prefill", type=int, default=None, help="prefill engines")
-    p.add_argument("--decode", type=int, default=None, help="decode engines")
+    p.add_argument("--prefill", type=int, default=None, help="prefill engines (instances of --prefill-ep ranks each)")
+    p.add_argument("--decode", type=int, default=None, help="decode engines (instances of --decode-ep ranks each)")
     p.add_argument("--colocated", type=int, default=None, help="NORMAL engines (a --colocated cluster)")
     p.add_argument("--encoder", type=int, default=None, help="vision encoders (a cluster started with --encoder >= 1)")
     admin.add_address(p)

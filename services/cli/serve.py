@@ -55,6 +55,13 @@ def _add_pool_flags(p) -> None:
     p.add_argument(
         "--eplb-interval", type=int, default=None, help="counted steps between rearrangements (default: the role's)"
     )
+    p.add_argument(
+        "--moe-dispatch",
+        choices=("all_to_all", "padded"),
+        default=None,
+        help="how instance ranks move MoE tokens: exact counts (all_to_all, default) or fixed buffers sized by "
+        "the role's step token bound (padded: static shapes, for CUDA graphs)",
+    )
 
 
 def _add_engine_flags(p) -> None:
@@ -269,6 +276,7 @@ def _engine_settings(args: argparse.Namespace):
         kv_store=kv_store_args.config_from_args(args),
         pd=PDConfig(local_prefill_tokens=args.local_prefill_tokens),
         eplb=_eplb(args),
+        moe_dispatch=args.moe_dispatch,
     )
 
 

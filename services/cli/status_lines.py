@@ -1,5 +1,6 @@
-"""`deepinfer status`'s lines below a worker's row: where its prompts' KV came from (prefix cache,
-then each KV store tier), its local prefills, and how the router scores prefill engines."""
+"""`deepinfer status`'s lines: a pool's size against its target (in instances when each engine is
+an instance of several ranks), and below a worker's row where its prompts' KV came from (prefix
+cache, then each KV store tier), its local prefills, and how the router scores prefill engines."""
 
 from __future__ import annotations
 
@@ -9,6 +10,22 @@ PREFILL_SCORE = (
     "  prefill choice: the lowest score = queued prompt tokens + this prompt's tokens the engine does not "
     "hold (its remembered prefix chunks of 16 tokens); engines holding a prefix compete outside their length bucket"
 )
+
+
+def pool_size(pool: common_pb2.PoolStatus) -> str:
+    """Engines against the target. A pool of expert-parallel instances counts instances (its target
+    does: instances scale whole), each with the ranks it has in the router; an instance missing a
+    rank is named (it is failing, or still starting)."""
+    if pool.ranks_per_instance <= 1:
+        return f"{len(pool.workers)} worker(s), target {pool.target}"
+    ranks: dict[str, int] = {}
+    for w in pool.workers:
+        instance = w.info.worker_id.rsplit(".", 1)[0]  # rank workers are "<instance>.<rank>"
+        ranks[instance] = ranks.get(instance, 0) + 1
+    size = pool.ranks_per_instance
+    line = f"{len(ranks)} instance(s) of {size} ranks ({len(pool.workers)} rank workers), target {pool.target}"
+    partial = [f"{i} has {n} of {size} ranks" for i, n in sorted(ranks.items()) if n != size]
+    return line + (f"; {', '.join(partial)}" if partial else "")
 
 
 def _pct(part: float, whole: float) -> str:

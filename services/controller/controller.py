@@ -193,16 +193,19 @@ class ClusterController:
     async def _start_instance(self, pool: int, instance_id: str, placement: PoolPlacement) -> str:
         """An expert-parallel instance: every rank placed, started and registered, or none left."""
         size = self.spec.ep_sizes[pool]
+        # the pools file's GPUs are the engine's (all its ranks'); the command line's are each rank's
+        gpus = self.spec.gpus_per_worker if placement.gpus is None else placement.gpus / size
         self.actors[instance_id] = _Actor(pool, None)
         try:
             instance = await start_instance(
-                instance_id, size, lambda w: self._worker_spec(w, pool), self.spec.gpus_per_worker,
+                instance_id, size, lambda w: self._worker_spec(w, pool), gpus,
                 placement.resource, self.spec.start_timeout_s, self.spec.join_timeout_s,
             )  # fmt: skip
         except BaseException:
             self.actors.pop(instance_id, None)
             raise
         self.actors[instance_id] = _Actor(pool, None, registered=True, instance=instance)
+        self.healer.watch_instance(instance_id, [h for _, h in instance.ranks])
         return instance_id
 
     def _worker_spec(self, worker_id: str, pool: int) -> WorkerSpec:

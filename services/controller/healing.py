@@ -3,6 +3,8 @@
 The controller watches each engine it started with a call that returns only when the engine
 stops (`WorkerActor.watch`): Ray fails that call as soon as the actor's process is gone (kill -9,
 a crash, its node lost), within about a second, without waiting for the router's health polls.
+An expert-parallel instance is watched through every rank: the first rank whose actor stops fails
+the whole instance (its peers cannot step without it), and the instance is replaced whole.
 The dead engine is removed from the router's registry (no request is routed to it; its PEs let go
 of its transfer agent) and forgotten, and the pool is brought back to its target, with backoff
 when starts keep failing (`deepinfer:worker_restarts_total{pool}` counts the replacements). An
@@ -37,21 +39,30 @@ class PoolHealer:
         """Watch a started engine: if its actor dies, heal its pool."""
         self._watches[worker_id] = asyncio.ensure_future(self._watch(worker_id, handle))
 
+    def watch_instance(self, instance_id: str, handles: list[Any]) -> None:
+        """Watch every rank of an instance: when any one stops, the instance is dead."""
+        self._watches[instance_id] = asyncio.ensure_future(self._watch_ranks(instance_id, handles))
+
     def unwatch(self, worker_id: str) -> None:
         task = self._watches.pop(worker_id, None)
         if task is not None and task is not asyncio.current_task():
             task.cancel()
 
     async def _watch(self, worker_id: str, handle: Any) -> None:
-        try:
-            await handle.watch.remote()
-            why = "it stopped"
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:  # RayActorError and kin: the process is gone
-            why = f"{type(e).__name__}"
+        why = await _watched(handle)
         self._watches.pop(worker_id, None)
         await self.engine_died(worker_id, why)
+
+    async def _watch_ranks(self, instance_id: str, handles: list[Any]) -> None:
+        ranks = [asyncio.ensure_future(_watched(h)) for h in handles]
+        try:
+            done, _ = await asyncio.wait(ranks, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in ranks:
+                task.cancel()
+        first = next(iter(done))
+        self._watches.pop(instance_id, None)
+        await self.engine_died(instance_id, f"rank {ranks.index(first)}: {first.result()}")
 
     async def engine_died(self, worker_id: str, why: str) -> None:
         """An engine is gone (or is to be treated so): out of routing now, its pool healed."""
@@ -61,7 +72,8 @@ class PoolHealer:
             return
         pool = actor.pool
         logger.warning("%s died (%s): removing it from routing and starting a replacement", worker_id, why)
-        await controller.router.registry.remove(worker_id)
+        for rank_id in actor.worker_ids(worker_id):  # every rank of an instance leaves routing
+            await controller.router.registry.remove(rank_id)
         controller.forget(worker_id)
         self.replaced(pool)
 
@@ -102,3 +114,14 @@ class PoolHealer:
         for task in tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
+
+
+async def _watched(handle: Any) -> str:
+    """Returns once the actor has stopped: why."""
+    try:
+        await handle.watch.remote()
+        return "it stopped"
+    except asyncio.CancelledError:
+        raise
+    except Exception as e:  # RayActorError and kin: the process is gone
+        return type(e).__name__

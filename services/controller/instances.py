@@ -1,7 +1,8 @@
 """Starting an expert-parallel engine instance: N rank actors placed together, started together.
 
 An instance of N ranks is N worker actors (one per device, or per CPU process) in one Ray
-placement group (PACK: on as few nodes as fit). Rank 0 picks the rendezvous address on its node;
+placement group (PACK: on as few nodes as fit), taking one unit of its pool's custom resource in
+all (a share per rank). Rank 0 picks the rendezvous address on its node;
 every rank then joins the instance's `torch.distributed` group while building its engine, and
 registers with the router as a worker of its own (`<instance>.<rank>`): each rank is a decode (or
 prefill) target scored by its own load, and the KV target a CE rank hands out names that rank's
@@ -47,12 +48,18 @@ class Instance:
                 pass
 
 
-def _bundle(gpus: float, resource: str) -> dict:
+def _resource_share(size: int) -> float:
+    """Each rank's share of its pool's custom resource: the chart's worker groups offer one unit per
+    engine, and an instance is one engine, whatever its size (rounded down to Ray's precision)."""
+    return int(10_000 / size) / 10_000
+
+
+def _bundle(gpus: float, resource: str, size: int) -> dict:
     bundle: dict = {"CPU": 0.01}  # Ray refuses empty bundles; the engines take no CPU reservation
     if gpus:
         bundle["GPU"] = gpus
     if resource:
-        bundle[resource] = 1
+        bundle[resource] = _resource_share(size)
     return bundle
 
 
@@ -70,12 +77,12 @@ async def start_instance(instance_id: str, size: int, make_spec: Callable[[str],
 
     instance = Instance()
     try:
-        pg = ray.util.placement_group([_bundle(gpus, resource)] * size, strategy="PACK", name=instance_id)
+        pg = ray.util.placement_group([_bundle(gpus, resource, size)] * size, strategy="PACK", name=instance_id)
         instance.placement_group = pg
         await asyncio.wait_for(pg.ready(), timeout_s)
         for rank in range(size):
             worker_id = f"{instance_id}.{rank}"
-            options = dict(num_cpus=0.01, num_gpus=gpus, resources={resource: 1} if resource else {},
+            options = dict(num_cpus=0.01, num_gpus=gpus, resources={resource: _resource_share(size)} if resource else {},
                            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=rank))  # fmt: skip
             handle = ray.remote(NodeWorkerActor).options(name=worker_id, max_concurrency=4, **options)
             instance.ranks.append((worker_id, handle.remote(make_spec(worker_id))))

@@ -32,18 +32,22 @@ SignalSource = Callable[[int], PoolSignals]
 """pool -> its load now."""
 
 
-def registry_signals(registry: PoolRegistry) -> SignalSource:
-    """Each pool's load summed over its ready engines' last reports."""
+def registry_signals(registry: PoolRegistry, ep_sizes: Optional[dict[int, int]] = None) -> SignalSource:
+    """Each pool's load summed over its ready engines' last reports. In a pool of expert-parallel
+    instances (`ep_sizes`: ranks per instance) each rank reports its own load; the engine the policy
+    counts is the instance: its KV cache is its ranks' caches together (1.0 = every rank full)."""
+    ep_sizes = ep_sizes or {}
 
     def signals(pool: int) -> PoolSignals:
         loads = [h.load for h in registry.pool(pool)]
+        ranks = ep_sizes.get(pool, 1)
         return PoolSignals(
-            engines=len(loads),
+            engines=len(loads) // ranks,
             queued_prompt_tokens=sum(x.queued_prompt_tokens for x in loads),
             running_requests=sum(x.running_requests for x in loads),
             waiting_requests=sum(x.waiting_requests for x in loads),
             reservations=sum(x.reservations for x in loads),
-            kv_used=sum(x.kv_usage for x in loads),
+            kv_used=sum(x.kv_usage for x in loads) / ranks,
         )
 
     return signals
@@ -61,7 +65,7 @@ class Planner:
         self.controller = controller
         self.settings: PlannerSettings = config.planner
         self.autoscalers = {p: PoolAutoscaler(p, rule, clock) for p, rule in config.rules.items()} if autoscale else {}
-        self.signals = signals or registry_signals(controller.router.registry)
+        self.signals = signals or registry_signals(controller.router.registry, controller.spec.ep_sizes)
         self.decisions: list[Decision] = []
         """Every change decided, oldest first."""
         self._changes: dict[int, asyncio.Task] = {}

@@ -14,7 +14,7 @@ from typing import Optional
 from deepinfer_core.multimodal.encoder_config import EncoderConfig
 from services.common.auth import new_token
 from services.common.limits import DEFAULT_MIGRATION_LIMIT, RequestLimits
-from services.common.workers import POOL_COLOCATED, POOL_DECODE, POOL_ENCODER, POOL_PREFILL
+from services.common.workers import POOL_COLOCATED, POOL_DECODE, POOL_ENCODER, POOL_NAMES, POOL_PREFILL
 from services.controller.controller import PoolSpec
 from services.gateway.core import GatewayConfig
 from services.gateway.media import MediaLimits, VisionInfo
@@ -152,7 +152,15 @@ class HeadConfig:
         from deepinfer_core.distributed.placement import check_expert_parallel
         from deepinfer_core.models.hf_config import load_hf_config, num_routed_experts
 
-        for flag, ep in (("--decode-ep", self.decode_ep), ("--prefill-ep", self.prefill_ep)):
+        sizes = [("--decode-ep", self.decode_ep), ("--prefill-ep", self.prefill_ep)]
+        if self.pools_config:  # the file's sizes win over the flags': they are checked too
+            from services.controller.pools_config import load_pools_config
+
+            file_sizes = load_pools_config(self.pools_config).ep_sizes
+            sizes += [
+                (f"{self.pools_config}: pool {POOL_NAMES[p]} expertParallelSize", n) for p, n in file_sizes.items()
+            ]
+        for flag, ep in sizes:
             if ep < 1:
                 raise ValueError(f"{flag} must be at least 1")
             if ep > 1:

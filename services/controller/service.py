@@ -38,9 +38,11 @@ class ClusterService(gateway_pb2_grpc.ClusterServicer):
             POOL_ENCODER: request.encoder if request.HasField("encoder") else None,
         }
         await self.controller.scale(targets, request.timeout_s or 600.0)
-        return cluster_status(self.router, self.controller.targets)
+        return cluster_status(self.router, self.controller.targets, self.controller.spec.ep_sizes)
 
     @handles_errors
     async def Status(self, request, context):
         self.check_api_key(context)
-        return cluster_status(self.router, self.controller.targets if self.controller is not None else {})
+        if self.controller is None:
+            return cluster_status(self.router, {})
+        return cluster_status(self.router, self.controller.targets, self.controller.spec.ep_sizes)

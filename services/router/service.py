@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Optional
+
 from proto import common_pb2, router_pb2, router_pb2_grpc
 from services.common.errors import ErrorCode, ServiceError
 from services.common.grpc_util import handles_errors
@@ -56,13 +58,18 @@ class RouterService(router_pb2_grpc.RouterServicer):
         return cluster_status(self.core, {})
 
 
-def cluster_status(core: RouterCore, targets: dict[int, int]) -> common_pb2.ClusterStatus:
-    """Pools (those with a target or a worker), their workers and load."""
+def cluster_status(
+    core: RouterCore, targets: dict[int, int], ep_sizes: Optional[dict[int, int]] = None
+) -> common_pb2.ClusterStatus:
+    """Pools (those with a target or a worker), their workers and load. `ep_sizes`: ranks per
+    instance of the pools of expert-parallel instances, whose targets count instances."""
+    ep_sizes = ep_sizes or {}
     pools: dict[int, common_pb2.PoolStatus] = {}
     for pool, target in sorted(targets.items()):
-        pools[pool] = common_pb2.PoolStatus(pool=pool, target=target)
+        pools[pool] = common_pb2.PoolStatus(pool=pool, target=target, ranks_per_instance=ep_sizes.get(pool, 1))
     for h in sorted(core.registry.workers.values(), key=lambda h: h.worker_id):
-        status = pools.setdefault(h.info.pool, common_pb2.PoolStatus(pool=h.info.pool))
+        pool = h.info.pool
+        status = pools.setdefault(pool, common_pb2.PoolStatus(pool=pool, ranks_per_instance=ep_sizes.get(pool, 1)))
         status.workers.append(worker_status(h))
     ready, detail = core.ready()
     return common_pb2.ClusterStatus(pools=list(pools.values()), model=core.model, ready=ready, detail=detail)

@@ -38,6 +38,8 @@ class EngineSettings:
     """The KV cache store under every PE and CE (off unless it names a directory)."""
     eplb: Optional[EplbConfig] = None
     """The expert-parallel load balancer of every instance rank; None: off, no redundant experts."""
+    moe_dispatch: Optional[str] = None
+    """How instance ranks move MoE tokens ("all_to_all" or "padded"); None: `EngineArgs`' default."""
 
     def to_engine_args(self, engine_type: EngineType, rank: Optional[InstanceRank] = None):
         """The `EngineArgs` of an engine of `engine_type` (built in the worker's own process);

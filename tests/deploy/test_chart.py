@@ -13,7 +13,8 @@ import subprocess
 import pytest
 
 from services.common.workers import POOL_DECODE, POOL_PREFILL
-from services.controller.pools_config import parse_pools_config
+from services.controller.controller import PoolSpec
+from services.controller.pools_config import parse_pools_config, with_placements
 from tests.deploy.chart import CHART, helm, manifests, one, render, validate, worker_group
 
 LARGE_DECODE = {
@@ -99,6 +100,7 @@ def test_a_large_decode_pool_with_ep_8_lands_in_the_decode_group():
     placements = parse_pools_config(pools_file(found)).placements
     assert (placements[POOL_DECODE].gpus, placements[POOL_DECODE].resource) == (8, "deepinfer_decode")
     assert placements[POOL_PREFILL].gpus == 1
+    assert parse_pools_config(pools_file(found)).ep_sizes[POOL_DECODE] == 8  # 8 ranks of one GPU each
 
 
 def test_engines_per_pod_are_the_pod_s_gpus_over_the_ep_size():
@@ -110,10 +112,14 @@ def test_engines_per_pod_are_the_pod_s_gpus_over_the_ep_size():
     assert decode["rayStartParams"]["resources"] == '"{\\"deepinfer_decode\\": 4}"'
     assert "'--decode=12'" in head_script(one(found, "RayCluster"))
     assert pools_file(found)["pools"]["decode"]["gpusPerEngine"] == 2
+    config = parse_pools_config(pools_file(found))  # each engine an instance of 2 ranks, one GPU each
+    assert config.ep_sizes == {POOL_DECODE: 2, POOL_PREFILL: 1}
+    assert with_placements(PoolSpec(), config).ep_sizes == {POOL_DECODE: 2}
 
 
 def test_an_encoder_pool_gets_its_own_group_resource_and_budget():
     found = manifests({"pools": {"encoder": {"enabled": True, "gpus": 2}}})
+    assert "expertParallelSize" not in pools_file(found)["pools"]["encoder"]  # nothing to shard
     for manifest in found:
         validate(manifest)
     raycluster = one(found, "RayCluster")

@@ -1,6 +1,7 @@
-"""`deepinfer serve --decode-ep 2`: the decode engine is an instance of two ranks (two Ray actors,
-gloo), each a decode target of its own. Greedy outputs equal the single-process engine's, the
-requests land on both ranks, and status and /metrics show each rank."""
+"""`deepinfer serve --decode 2 --decode-ep 2`: each decode engine is an instance of two ranks (two
+Ray actors, gloo), each rank a decode target of its own. Greedy outputs equal the single-process
+engine's, the requests land on every rank, status and /metrics show each rank, the pool scales by
+whole instances, and a dead rank fails only its own instance: the other keeps serving."""
 
 import os
 import re
@@ -21,7 +22,10 @@ MAX_TOKENS = 12
 
 @pytest.fixture(scope="module")
 def wide(cluster):
-    serve = ServeProcess("--decode-ep", "2", "--ray-address", cluster.ray_address, *SMALL_ENGINE)
+    # no migration: a stream on the broken instance ends with an error, so the ones that finish
+    # whole are exactly those the other instance was serving
+    serve = ServeProcess("--decode", "2", "--decode-ep", "2", "--migration-limit", "0",
+                         "--ray-address", cluster.ray_address, *SMALL_ENGINE)  # fmt: skip
     yield serve
     serve.stop()
 
@@ -50,10 +54,10 @@ def _rank_workers(text: str) -> list[str]:
     return sorted(set(re.findall(r'worker="(decode-\d+\.\d+)"', text)))
 
 
-def test_requests_land_on_both_ranks_and_metrics_show_each_rank(wide, served):
+def test_requests_land_on_every_rank_and_metrics_show_each_rank(wide, served):
     text = httpx.get(f"{wide.url}/metrics", timeout=10).text
     ranks = _rank_workers(text)
-    assert len(ranks) == 2, ranks
+    assert len(ranks) == 4, ranks
     for worker in ranks:
         assert metric_value(text, "deepinfer:handoffs_total", worker=worker) >= 1, worker
     assert sum(metric_value(text, "deepinfer:dummy_steps_total", worker=w) for w in ranks) >= 1
@@ -61,32 +65,77 @@ def test_requests_land_on_both_ranks_and_metrics_show_each_rank(wide, served):
         assert f'{name}{{role="decode",worker="{ranks[0]}"}}' in text
 
 
-def test_status_shows_each_rank_of_the_instance(wide, served):
+def test_status_counts_instances_and_shows_each_rank(wide, served):
     r = wide.cli("status")
     assert r.returncode == 0, r.stderr
-    assert re.search(r"decode-\d+\.0 .* 0/2", r.stdout) and re.search(r"decode-\d+\.1 .* 1/2", r.stdout), r.stdout
+    assert "decode pool: 2 instance(s) of 2 ranks (4 rank workers), target 2" in r.stdout, r.stdout
+    assert len(re.findall(r"decode-\d+\.0 .* 0/2", r.stdout)) == 2, r.stdout
+    assert len(re.findall(r"decode-\d+\.1 .* 1/2", r.stdout)) == 2, r.stdout
+
+
+def _decode_ranks(serve) -> dict[str, list]:
+    """Instance id -> its rank workers in the router, by rank."""
+    from tests.e2e.test_scaling_and_faults import _status
+
+    instances: dict[str, list] = {}
+    for w in next((p.workers for p in _status(serve).pools if p.pool == 3), []):
+        instances.setdefault(w.info.worker_id.rsplit(".", 1)[0], []).append(w)
+    return {i: sorted(ws, key=lambda w: w.info.worker_id) for i, ws in instances.items()}
 
 
 @pytest.mark.timeout(400)
-def test_a_killed_rank_fails_its_whole_instance_and_its_streams_migrate_or_end_with_an_error(wide, served):
-    """Last in the module: it breaks the instance. Both ranks leave the router (the survivor's peer
-    monitor ends its process); every stream on either rank either migrates to a healthy instance
-    (the controller replaces the broken one) and finishes whole, or ends with an error: none hangs."""
-    from tests.e2e.test_scaling_and_faults import Streams, _status
+def test_scale_removes_and_adds_whole_instances(wide, served):
+    from tests.e2e.test_scaling_and_faults import Streams
 
-    streams = Streams(wide, 4, max_tokens=400)
-    assert wait_until(lambda: min(streams.chunks) >= 2, timeout_s=120)  # all four are decoding
-    decode = next(p for p in _status(wide).pools if p.pool == 3)
-    ranks = sorted(decode.workers, key=lambda w: w.info.worker_id)
-    assert {w.inflight for w in ranks} != {0}
-    broken = {w.info.worker_id for w in ranks}
-    os.kill(ranks[1].info.pid, signal.SIGKILL)
+    before = _decode_ranks(wide)
+    streams = Streams(wide, 4, max_tokens=60)  # the drained instance's streams finish first
+    r = wide.cli("scale", "--decode", "1")
+    assert r.returncode == 0, r.stderr
+    assert "decode pool: 1 instance(s) of 2 ranks (2 rank workers), target 1" in r.stdout, r.stdout
+    left = _decode_ranks(wide)
+    assert len(left) == 1 and set(left) < set(before) and len(next(iter(left.values()))) == 2, left
+    assert all(errors == [] and reasons == ["length"] for reasons, errors in streams.join())
+    r = wide.cli("scale", "--decode", "2")
+    assert r.returncode == 0, r.stderr
+    assert "decode pool: 2 instance(s) of 2 ranks (4 rank workers), target 2" in r.stdout, r.stdout
+    after = _decode_ranks(wide)
+    (added,) = set(after) - set(left)
+    assert [w.info.worker_id for w in after[added]] == [f"{added}.0", f"{added}.1"]
+    assert _complete(wide, "after the scale") != ""
+
+
+@pytest.mark.timeout(400)
+def test_a_killed_rank_fails_only_its_instance_which_is_replaced_while_the_other_keeps_serving(wide, served):
+    """Last in the module: it breaks an instance. Both its ranks leave the router (the survivor's
+    peer monitor ends its process, the controller sees a rank's actor die) and its streams end
+    with an error; the other instance's streams finish whole, new requests succeed during the
+    outage, and the controller replaces the broken instance whole."""
+    from tests.e2e.test_scaling_and_faults import Streams
+
+    streams = Streams(wide, 8, max_tokens=300)
+    assert wait_until(lambda: min(streams.chunks) >= 2, timeout_s=120)  # all eight are decoding
+    instances = _decode_ranks(wide)
+    assert len(instances) == 2 and all(len(r) == 2 for r in instances.values()), instances
+    broken, healthy = sorted(instances, key=lambda i: -sum(w.inflight for w in instances[i]))
+    on_healthy = sum(w.inflight for w in instances[healthy])
+    assert on_healthy >= 1 and sum(w.inflight for w in instances[broken]) >= 1, instances
+    os.kill(instances[broken][1].info.pid, signal.SIGKILL)
     started = time.monotonic()
+
+    assert wait_until(lambda: broken not in _decode_ranks(wide), timeout_s=60), "the broken instance left the router"
+    outage = [_complete(wide, p) for p in PROMPTS[:3]]  # served by the healthy instance alone
+    assert all(outage) and broken not in _decode_ranks(wide)
     results = streams.join()
-    assert all(errors or reasons == ["length"] for reasons, errors in results), results
     assert time.monotonic() - started < 180
+    assert all(errors or reasons == ["length"] for reasons, errors in results), results
+    whole = [r for r in results if r == (["length"], [])]
+    assert len(whole) >= on_healthy, (on_healthy, results)
+    assert len(whole) < len(results), "the broken instance's streams ended with an error"
+    assert healthy in _decode_ranks(wide) and len(_decode_ranks(wide)[healthy]) == 2
 
-    def gone() -> bool:
-        return not broken & {w.info.worker_id for p in _status(wide).pools if p.pool == 3 for w in p.workers}
+    def replaced() -> bool:
+        now = _decode_ranks(wide)
+        return len(now) == 2 and broken not in now and all(len(r) == 2 for r in now.values())
 
-    assert wait_until(gone, timeout_s=60), "both ranks of the broken instance left the router"
+    assert wait_until(replaced, timeout_s=240), _decode_ranks(wide)
+    assert _complete(wide, "after the replacement") != ""

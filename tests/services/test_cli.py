@@ -85,9 +85,11 @@ def test_serve_refuses_an_ep_size_the_model_cannot_split_before_starting_anythin
 
 
 def test_serve_passes_the_balancer_settings_to_every_engine(monkeypatch):
-    argv = ["--decode-ep", "3", "--redundant-experts", "1", "--enable-eplb", "--eplb-interval", "500"]
+    argv = ["--decode-ep", "3", "--redundant-experts", "1", "--enable-eplb", "--eplb-interval", "500",
+            "--moe-dispatch", "padded"]  # fmt: skip
     config = _serve_config(argv, monkeypatch, {})  # 8 experts + 1 redundant slot split over 3 ranks
     assert config.ep_sizes == {3: 3}
     eplb = config.engine_args.eplb
     assert (eplb.enabled, eplb.num_redundant_experts, eplb.rearrange_interval) == (True, 1, 500)
     assert config.engine_args.to_engine_args(EngineType.COMPLETION).eplb == eplb
+    assert config.engine_args.to_engine_args(EngineType.COMPLETION).moe_dispatch == "padded"

@@ -1,6 +1,7 @@
 """Starting an expert-parallel instance on Ray: a rank that fails before joining fails the whole
 start with a message naming it (its peer waited for it until the join timeout), and leaves no
-actor and no placement group behind."""
+actor and no placement group behind. The instance takes one unit of its pool's custom resource in
+all (what the chart's worker groups offer per engine), shared among its ranks."""
 
 import asyncio
 import dataclasses
@@ -12,6 +13,7 @@ from services.common.errors import ServiceError
 from services.common.workers import POOL_DECODE
 from services.controller.instances import start_instance
 from services.workers.spec import EngineSettings, WorkerSpec
+from tests.helpers.cluster import wait_until
 
 ENGINE = EngineSettings(device="cpu", num_gpu_blocks=64, max_model_len=160, block_size=8, max_num_seqs=8)
 
@@ -22,7 +24,8 @@ def ray_local():
     import ray
 
     # "local": a cluster of its own, even where another Ray runs on this machine
-    ray.init(address="local", num_cpus=1, include_dashboard=False, logging_level="WARNING", log_to_driver=False)
+    ray.init(address="local", num_cpus=1, resources={"deepinfer_decode": 1}, include_dashboard=False,
+             logging_level="WARNING", log_to_driver=False)  # fmt: skip
     yield ray
     ray.shutdown()
 
@@ -35,7 +38,8 @@ def _spec(worker_id: str) -> WorkerSpec:
 @pytest.mark.timeout(300)
 def test_a_rank_that_fails_before_joining_fails_the_instance_naming_it(ray_local):
     with pytest.raises(ServiceError) as err:
-        asyncio.run(start_instance("decode-7", 2, _spec, 0.0, "", timeout_s=240, join_timeout_s=5.0))
+        # one unit for two ranks: placed only because each rank's bundle asks for half of it
+        asyncio.run(start_instance("decode-7", 2, _spec, 0.0, "deepinfer_decode", timeout_s=120, join_timeout_s=5.0))
     message = str(err.value)
     assert "instance decode-7 of 2 ranks failed to start" in message
     assert "rank 1: " in message and "bogus" in message, message
@@ -44,3 +48,4 @@ def test_a_rank_that_fails_before_joining_fails_the_instance_naming_it(ray_local
 
     assert not [a for a in ray_local.util.list_named_actors() if a.startswith("decode-7")]
     assert all(pg["state"] == "REMOVED" for pg in placement_group_table().values() if pg["name"] == "decode-7")
+    assert wait_until(lambda: ray_local.available_resources().get("deepinfer_decode") == 1, timeout_s=30)

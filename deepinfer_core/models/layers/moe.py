@@ -21,6 +21,9 @@ them. This is the torch reference; on CUDA, with every expert local, `kernels.op
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 
 import torch
@@ -122,7 +125,7 @@ class PermutedTokens:
     hidden: torch.Tensor  # [N, H]: one row per (token, chosen local expert), sorted by expert
     token_index: torch.Tensor  # [N] int64: source token of each row
     weights: torch.Tensor  # [N] fp32: routing weight of each row
-    counts: list[int]  # rows per local expert (host copy, E_local entries)
+    counts: list[int] | torch.Tensor  # rows per local expert (E_local entries; host copy, or on the device)
 
 
 def permute(
@@ -157,16 +160,27 @@ def _grouped_mm_usable(x: torch.Tensor) -> bool:
     return hasattr(F, "grouped_mm") and (x.device.type == "cpu" or x.dtype == torch.bfloat16)
 
 
-def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: list[int]) -> torch.Tensor:
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: list[int] | torch.Tensor) -> torch.Tensor:
     """Rows grouped by expert times each group's expert matrix: x [N, K] (rows of expert e are the
     e-th run of `counts`), weight [E, Out, K] -> [N, Out]. One grouped GEMM where torch has it,
-    else one GEMM per expert."""
+    else one GEMM per expert. `counts` on the device (a padded dispatch's) is not read back for
+    the grouped GEMM; rows past the last group (padding) come out as zeros."""
     if x.shape[0] == 0:
         return x.new_empty(0, weight.shape[1])
     if _grouped_mm_usable(x):
-        offs = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)  # end row of each group
-        return F.grouped_mm(x, weight.transpose(1, 2), offs=offs)
-    out = x.new_empty(x.shape[0], weight.shape[1])
+        ends = counts if isinstance(counts, torch.Tensor) else torch.tensor(counts, device=x.device)
+        offs = ends.to(x.device).cumsum(0).to(torch.int32)  # end row of each group
+        out = F.grouped_mm(x, weight.transpose(1, 2), offs=offs)
+        if isinstance(counts, torch.Tensor):  # padding rows: left undefined by the grouped GEMM
+            out = out.masked_fill(torch.arange(x.shape[0], device=x.device)[:, None] >= offs[-1], 0)
+        return out
+    if isinstance(counts, torch.Tensor):
+        counts = counts.tolist()
+    out = (
+        x.new_zeros(x.shape[0], weight.shape[1])
+        if sum(counts) < x.shape[0]
+        else x.new_empty(x.shape[0], weight.shape[1])
+    )
     start = 0
     for e, n in enumerate(counts):
         if n:
@@ -177,6 +191,20 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: list[int]) -> 
 
 def _blocks(n: int, block: int) -> int:
     return -(-n // block)
+
+
+_BUILD_SLOTS: ContextVar[list[int] | None] = ContextVar("expert_slots", default=None)
+
+
+@contextmanager
+def building_local_experts(slots: list[int] | None) -> Iterator[None]:
+    """Every `FusedExperts` built inside holds only `slots` (an expert-parallel rank's logical expert
+    per local slot) unless told otherwise: a rank allocates its shard of the experts, never all."""
+    token = _BUILD_SLOTS.set(list(slots) if slots is not None else None)
+    try:
+        yield
+    finally:
+        _BUILD_SLOTS.reset(token)
 
 
 class FusedExperts(nn.Module):
@@ -202,6 +230,8 @@ class FusedExperts(nn.Module):
         if hidden_act != "silu":
             raise ValueError(f"MoE experts need hidden_act='silu', got {hidden_act!r}")
         self.num_experts = num_experts
+        if local_experts is None:
+            local_experts = _BUILD_SLOTS.get()
         self.local_experts = local_experts if local_experts is not None else range(num_experts)
         """Logical expert of each local slot: all of them in order, or an expert-parallel rank's slots
         (a list, repeats allowed with redundant experts)."""

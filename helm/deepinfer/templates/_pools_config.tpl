@@ -1,5 +1,6 @@
 {{/* The pools file the controller reads (`deepinfer serve --pools-config`, services/controller/pools_config.py):
-per pool its Ray resource and GPUs per engine, and with autoscaling on the policy's bounds in engines
+per pool its Ray resource, GPUs per engine and ranks per engine instance (expertParallelSize: one
+actor and one GPU per rank, experts sharded over them), and with autoscaling on the policy's bounds in engines
 (the group's pod bounds x engines per pod; at least one engine) and targets. */}}
 
 {{- define "deepinfer.poolsConfig" -}}
@@ -9,6 +10,7 @@ per pool its Ray resource and GPUs per engine, and with autoscaling on the polic
 {{- $pool := index $v.pools $name -}}
 {{- $engines := int (include "deepinfer.enginesPerPod" $pool) -}}
 {{- $entry := dict "resource" (printf "deepinfer_%s" $name) "gpusPerEngine" (int (include "deepinfer.gpusPerEngine" $pool)) -}}
+{{- if ne $name "encoder" -}}{{- $_ := set $entry "expertParallelSize" (int $pool.expertParallelSize) -}}{{- end -}}
 {{- if and $v.autoscaling.enabled (ne $name "encoder") -}}
 {{- $rule := dict "minReplicas" (max 1 (mul (int $pool.minReplicas) $engines)) "maxReplicas" (max 1 (mul (int $pool.maxReplicas) $engines)) -}}
 {{- range $key := list "tolerance" "scaleInBelow" "scaleOutCooldownSeconds" "scaleInCooldownSeconds" "scaleInStableSeconds" "maxStep" -}}

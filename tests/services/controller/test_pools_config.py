@@ -67,3 +67,37 @@ def test_an_engine_any_live_node_can_host_is_not_reported_as_unplaced():
     assert unplaceable_reason(POOL_DECODE, PoolPlacement(), 31, nodes) is None
     reason = unplaceable_reason(POOL_DECODE, PoolPlacement(gpus=1), 31, nodes)
     assert "for a node with 1 free GPU(s)" in reason
+
+
+def test_a_pool_s_expert_parallel_size_makes_its_engines_instances_and_wins_over_the_flag():
+    doc = {"pools": {"decode": {"gpusPerEngine": 8, "expertParallelSize": 8}, "prefill": {"expertParallelSize": 1}}}
+    config = parse_pools_config(doc)
+    assert config.ep_sizes == {POOL_DECODE: 8, POOL_PREFILL: 1}
+    spec = with_placements(PoolSpec(ep_sizes={POOL_DECODE: 2, POOL_PREFILL: 4}), config)
+    assert spec.ep_sizes == {POOL_DECODE: 8}  # the file's 1 makes prefill engines single processes
+    assert with_placements(PoolSpec(ep_sizes={POOL_DECODE: 2}), parse_pools_config({})).ep_sizes == {POOL_DECODE: 2}
+
+
+@pytest.mark.parametrize("value", [0, -2, "2", 2.0, True])
+def test_an_expert_parallel_size_that_is_not_a_positive_integer_is_refused(value):
+    with pytest.raises(ValueError, match=r"pool decode: expertParallelSize must be an integer >= 1"):
+        parse_pools_config({"pools": {"decode": {"expertParallelSize": value}}})
+
+
+def test_an_encoder_pool_cannot_be_expert_parallel():
+    with pytest.raises(ValueError, match="vision encoders have no experts to shard"):
+        parse_pools_config({"pools": {"encoder": {"expertParallelSize": 2}}})
+
+
+def test_serve_checks_the_file_s_sizes_against_the_model_before_anything_starts(tmp_path):
+    """The embedded model has 8 routed experts: 3 ranks cannot share them."""
+    import json
+
+    from services.controller.serve_config import HeadConfig
+
+    path = tmp_path / "pools.json"
+    path.write_text(json.dumps({"pools": {"decode": {"expertParallelSize": 3}}}))
+    with pytest.raises(ValueError, match=r"pools.json: pool decode expertParallelSize 3: .*must divide the 8"):
+        HeadConfig(pools_config=str(path)).check_expert_parallel()
+    path.write_text(json.dumps({"pools": {"decode": {"expertParallelSize": 4}}}))
+    HeadConfig(pools_config=str(path)).check_expert_parallel()

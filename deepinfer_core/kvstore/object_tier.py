@@ -256,3 +256,16 @@ class ObjectTier:
         self._hashers.shutdown()
         self.io.close()
         self._heads.close()
+
+
+def check_bucket(config: KVStoreConfig) -> None:
+    """Raise StoreUnreachable (a ValueError) unless `config.url`'s bucket answers with these
+    credentials and NIXL's OBJ backend starts and reaches it from this process."""
+    bucket, prefix = bucket_of(config.url)
+    Bucket(bucket, prefix, config.endpoint, config.region).check()
+    try:
+        probe = NixlObjectIO("kv-store-check", obj_params(bucket, config.endpoint, config.region, dict(os.environ)))
+        probe.exists([f"{prefix}check{frame.MAGIC.decode()}"], 1)
+        probe.close()
+    except (StorageError, ImportError) as e:
+        raise StoreUnreachable(f"KV store {config.url}: {e}") from e

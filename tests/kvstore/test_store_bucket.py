@@ -180,3 +180,14 @@ def test_a_bucket_that_cannot_be_used_fails_the_start_with_its_cause(endpoint):
         cpu_store(None, config=bucket_store_config("s3://never-made", endpoint))
     with pytest.raises(StoreUnreachable, match="s3://never-made"):
         cpu_store(None, config=bucket_store_config("s3://never-made", "http://127.0.0.1:9"))
+
+
+def test_serve_stops_before_starting_anything_when_the_bucket_cannot_be_used(endpoint, bucket, capsys):
+    from services.cli.main import main
+
+    argv = ["serve", "--gpus-per-worker", "0", "--kv-store-endpoint", endpoint, "--kv-store-url"]
+    assert main([*argv, "s3://never-made/kv"]) == 2
+    assert "KV store s3://never-made/kv/: no such bucket" in capsys.readouterr().err
+    from deepinfer_core.kvstore.object_tier import check_bucket
+
+    check_bucket(bucket_store_config(f"s3://{bucket[0]}/kv", endpoint))  # a bucket that answers: no error

@@ -71,12 +71,6 @@ class Ledger:
                 self.total += size - self._entries.pop(key, 0)
                 self._entries[key] = size
 
-    def touch(self, keys: list[bytes]) -> None:
-        with self._lock:
-            for key in keys:
-                if key in self._entries:
-                    self._entries.move_to_end(key)
-
     def remove(self, keys: list[bytes]) -> None:
         with self._lock:
             for key in keys:
@@ -230,7 +224,9 @@ class ObjectTier:
             out.ok += 1
         if out.ok:
             hits = job.keys[: out.ok]
-            self.ledger.touch(hits)
+            self.ledger.add(
+                hits, self.pool.frame_bytes
+            )  # the most recently used now (and known, if another wrote them)
             self._recent.update(hits)
         out.finished = time.monotonic()
         out.total_bytes = self.ledger.total

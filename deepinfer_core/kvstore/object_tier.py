@@ -13,9 +13,11 @@ The index is the bucket itself, plus a ledger in each store:
   once, and one evicted by any of them is a miss. S3 makes a PUT visible whole or not at all, so
   a reader never sees half an entry and no reservation or rename is needed.
 - The byte limit and LRU order are kept in a ledger in this store's memory: the bucket's listing
-  (sizes, write times) read at start and again, at most every `RELIST_S`, when a save finds the
-  ledger full; then this store's own writes and hits. A save that would pass the limit first
-  deletes the least recently used entries (by the ledger) from the bucket.
+  (sizes, write times) read at start and again by a save once the last one is `RELIST_S` old;
+  then this store's own writes and hits. A save that would pass the limit first deletes the least
+  recently used entries (by the ledger) from the bucket. The ledger also spares a decode step the
+  copy of blocks it knows are stored; an entry another engine evicted is saved again once a
+  listing has shown it gone.
 
 Limits of that choice, for a bucket shared by several engines: recency is what this engine has
 seen — an entry that only other engines read counts as old as its write here; engines writing at
@@ -49,7 +51,8 @@ from deepinfer_core.transfer.storage_io import StorageError
 logger = logging.getLogger(__name__)
 
 RELIST_S = 30.0
-"""Least time between two listings of the bucket (a listing is one request per 1000 entries)."""
+"""Least time between two listings of the bucket by one store (a listing is one request per 1000
+entries: give each cluster its own prefix rather than one huge one)."""
 
 
 class Ledger:
@@ -158,6 +161,8 @@ class ObjectTier:
         if job.ready is not None:
             job.ready.synchronize()
         out = IOResult(job)
+        if time.monotonic() - self._listed_at > RELIST_S:
+            self._relist()  # what others wrote and evicted since: the ledger this save is filtered and fitted by
         slot_of = dict(zip(job.keys, job.slots))
         size = self.pool.frame_bytes
         stored = self._stored(list(slot_of))
@@ -193,9 +198,6 @@ class ObjectTier:
     def _make_room(self, need: int, exclude: set[bytes]) -> int:
         """Delete least recently used entries until `need` more bytes fit; returns how many went."""
         over = self.ledger.total + need - self.capacity_bytes
-        if over > 0 and time.monotonic() - self._listed_at > RELIST_S:
-            self._relist()  # others' writes and deletes since the last listing
-            over = self.ledger.total + need - self.capacity_bytes
         if over <= 0:
             return 0
         victims = self.ledger.oldest(over, exclude)

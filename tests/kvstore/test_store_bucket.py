@@ -168,6 +168,23 @@ def test_the_bucket_never_holds_more_than_its_limit_and_hits_stay_longest(endpoi
     assert stats.evictions_l3 == 6 and stats.l3_bytes == 3 * frame_bytes and stats.saved_blocks == 9
 
 
+def test_two_stores_keep_one_limit_through_the_listing(endpoint, bucket, monkeypatch):
+    import deepinfer_core.kvstore.object_tier as object_tier
+
+    frame_bytes = _store(endpoint, bucket, prefix="probe/").pool.frame_bytes
+    limit = 3 * frame_bytes + frame_bytes // 2
+    late = _store(endpoint, bucket, l3_bytes=limit)  # listed the bucket empty
+    early = _store(endpoint, bucket, l3_bytes=limit)
+    early.save(KEYS[:3], [1, 2, 3])
+    settle(early)
+    monkeypatch.setattr(object_tier, "RELIST_S", 0.0)  # the late store's next save lists again
+    late.save(KEYS[3:5], [4, 5])
+    settle(late)
+    in_bucket = objects(bucket[1], bucket[0])
+    assert sum(in_bucket.values()) <= limit and late.stats().evictions_l3 == 2
+    assert sorted(in_bucket) == sorted(f"engines/{k.hex()}.kvblock" for k in [KEYS[2], KEYS[3], KEYS[4]])
+
+
 def _read_from_bucket(store, key: bytes) -> None:
     slots = store.pool.stage(1)
     result = store.tier.load(LoadJob([key], slots))

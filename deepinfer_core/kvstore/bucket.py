@@ -16,6 +16,19 @@ from dataclasses import dataclass
 logger = logging.getLogger(__name__)
 
 SUFFIX = ".kvblock"
+AWS_ENV = (
+    "AWS_ACCESS_KEY_ID",
+    "AWS_SECRET_ACCESS_KEY",
+    "AWS_SESSION_TOKEN",
+    "AWS_REGION",
+    "AWS_DEFAULT_REGION",
+    "AWS_PROFILE",
+    "AWS_ENDPOINT_URL",
+    "AWS_ENDPOINT_URL_S3",
+    "AWS_CA_BUNDLE",
+)
+"""The standard AWS variables a bucket store reads; `deepinfer serve` hands those it has to the
+engines of a Ray cluster started elsewhere (whose workers do not inherit its environment)."""
 _DELETE_BATCH = 1000  # S3's most keys per DeleteObjects
 
 
@@ -95,3 +108,8 @@ class Bucket:
             )
             for error in answer.get("Errors", ()):
                 logger.warning("deleting %s from %s failed: %s", error.get("Key"), self.url, error.get("Message"))
+
+
+def engine_env(environ: dict[str, str]) -> dict[str, str]:
+    """The AWS variables of `environ` that engines need to reach the bucket."""
+    return {name: environ[name] for name in AWS_ENV if environ.get(name)}

@@ -8,9 +8,9 @@ and results, on the store's I/O thread.
 
 The index is the bucket itself, plus a ledger in each store:
 
-- Which blocks are stored is asked of the bucket: `ready_keys` sends a HEAD for every block of a
-  prompt, all in one NIXL call, so an entry that any engine on any host has written is a hit at
-  once, and one evicted by any of them is a miss. S3 makes a PUT visible whole or not at all, so
+- Which blocks are stored is asked of the bucket: `ready_keys` sends HEADs for a prompt's blocks,
+  side by side in one NIXL call per run of keys, so an entry that any engine on any host has
+  written is a hit at once, and one evicted by any of them is a miss. S3 makes a PUT visible whole or not at all, so
   a reader never sees half an entry and no reservation or rename is needed.
 - The byte limit and LRU order are kept in a ledger in this store's memory: the bucket's listing
   (sizes, write times) read at start and again by a save once the last one is `RELIST_S` old;
@@ -53,6 +53,15 @@ logger = logging.getLogger(__name__)
 RELIST_S = 30.0
 """Least time between two listings of the bucket by one store (a listing is one request per 1000
 entries: give each cluster its own prefix rather than one huge one)."""
+
+
+LOOKUP_TIMEOUT_S = 2.0
+"""Longest a PE's step waits for a lookup's HEADs (S3 answers one in tens of milliseconds, and
+`object_io.REQUEST_THREADS` run side by side)."""
+FIRST_RUN = 32
+"""Keys in a lookup's first HEAD round."""
+LOOKUP_PAUSE_S = 5.0
+"""How long lookups are skipped (misses) after one failed."""
 
 
 class Ledger:
@@ -121,6 +130,9 @@ class ObjectTier:
         self.ledger = Ledger()
         self._recent: set[bytes] = set()
         self._listed_at = 0.0
+        self._lookups_paused_until = 0.0
+        self._lookup_done = threading.Event()  # set: no lookup running
+        self._lookup_done.set()
         self._relist()
         self._hashers = ThreadPoolExecutor(HASH_THREADS, thread_name_prefix="kv-store-hash")
 
@@ -138,12 +150,40 @@ class ObjectTier:
 
     # ---- what is stored -----------------------------------------------------------------
     def ready_keys(self, keys: list[bytes]) -> set[bytes]:
-        """Which of `keys` the bucket holds (asked of the bucket: one HEAD each, in one call)."""
-        try:
-            return self._present(self._heads, keys)
-        except StorageError as e:
-            logger.warning("KV store lookup in %s failed: %s", self.location, e)
+        """Which of `keys` the bucket holds, asked of it: HEADs side by side in one NIXL call per
+        run of keys (32, then twice as many each time, up to the first run with a miss: a prompt
+        stored only in part costs few requests), on a thread of its own so that the PE's step waits
+        at most `LOOKUP_TIMEOUT_S` (then: what was found so far). While a late lookup still runs,
+        and for `LOOKUP_PAUSE_S` after one failed, none is asked: a bucket that does not answer
+        costs misses, not waits."""
+        if not keys or time.monotonic() < self._lookups_paused_until or not self._lookup_done.is_set():
             return set()
+        self._lookup_done.clear()
+        found: list[set[bytes]] = [set()]
+        # a daemon thread: one stuck in the SDK's retries must not hold the process at exit
+        thread = threading.Thread(target=self._lookup, args=(keys, found), name="kv-store-lookup", daemon=True)
+        thread.start()
+        thread.join(LOOKUP_TIMEOUT_S)
+        if thread.is_alive():
+            logger.warning("KV store lookup in %s took over %.1f s: cut there", self.location, LOOKUP_TIMEOUT_S)
+        return found[0]
+
+    def _lookup(self, keys: list[bytes], found: list[set[bytes]]) -> None:
+        """Fill `found[0]` run by run (a new set each time: the caller may take it at any point)."""
+        try:
+            start, size = 0, FIRST_RUN
+            while start < len(keys):
+                run = keys[start : start + size]
+                present = self._present(self._heads, run)
+                found[0] = found[0] | present
+                if len(present) < len(run):
+                    return
+                start, size = start + size, size * 2
+        except StorageError as e:
+            logger.warning("KV store lookup in %s failed (%s): no lookups for %.0f s", self.location, e, LOOKUP_PAUSE_S)
+            self._lookups_paused_until = time.monotonic() + LOOKUP_PAUSE_S
+        finally:
+            self._lookup_done.set()
 
     def _present(self, agent: NixlObjectIO, keys: list[bytes]) -> set[bytes]:
         there = agent.exists([self.bucket.object_key(k) for k in keys], self.pool.frame_bytes)

@@ -19,6 +19,7 @@ What NIXL's OBJ plugin does not do — create, list and delete objects — is `b
 from __future__ import annotations
 
 import logging
+import os
 import time
 import uuid
 from urllib.parse import urlparse
@@ -33,12 +34,25 @@ Item = tuple[int, int, str]
 """(host address, bytes, object key)."""
 
 
+REQUEST_THREADS = max(16, (os.cpu_count() or 2) // 2)
+"""The OBJ plugin's threads for requests in flight (its `num_threads`; its default is half the
+cores, one on a small host): each mostly waits on the network, and a lookup is a HEAD per block."""
+
+
+SDK_RETRIES = {"AWS_RETRY_MODE": "standard", "AWS_MAX_ATTEMPTS": "3"}
+"""The plugin's AWS SDK takes its retries from these variables only (no backend parameter). Its
+default (legacy mode, 10 attempts) holds a request to an endpoint that refuses connections for
+about 25 s; standard mode with 3 attempts (boto3's default too) gives up within about 2.5 s. Set
+by the store unless the deployment sets them."""
+
+
 def obj_params(bucket: str, endpoint: str | None, region: str | None, env: dict[str, str]) -> dict[str, str]:
     """The OBJ backend's parameters (nixl src/plugins/obj/README.md); credentials come from the
     standard AWS variables in `env` (the plugin's SDK also falls back to its own credential chain)."""
     params = {
         "bucket": bucket,
         "region": region or env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION") or "us-east-1",
+        "num_threads": str(REQUEST_THREADS),
     }
     endpoint = endpoint or env.get("AWS_ENDPOINT_URL_S3") or env.get("AWS_ENDPOINT_URL")
     if endpoint:
@@ -62,6 +76,8 @@ class NixlObjectIO:
         from deepinfer_core.transfer.nixl_variant import api
 
         nixl_agent, nixl_agent_config = api().nixl_agent, api().nixl_agent_config
+        for name, value in SDK_RETRIES.items():  # read when the backend builds its S3 client
+            os.environ.setdefault(name, value)
         config = nixl_agent_config(enable_prog_thread=False, backends=[])
         self._agent = nixl_agent(f"{name_prefix}-obj-{uuid.uuid4().hex[:8]}", config)
         try:

@@ -6,6 +6,7 @@ be reached fails the store's start with its cause."""
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ from tests.helpers.s3 import require_obj_plugin
 
 require_obj_plugin()
 
+from deepinfer_core.kvstore import object_tier  # noqa: E402
 from deepinfer_core.kvstore.bucket import StoreUnreachable  # noqa: E402
 from deepinfer_core.kvstore.file_tier import LoadJob  # noqa: E402
 from deepinfer_core.kvstore.store import L2, L3  # noqa: E402
@@ -82,6 +84,15 @@ def test_prefixes_keep_stores_apart_and_a_lookup_ends_at_the_first_gap(endpoint,
     assert _store(endpoint, bucket, prefix="other").lookup(KEYS) == []
     bucket[1].delete_object(Bucket=bucket[0], Key=f"engines/{KEYS[2].hex()}.kvblock")
     assert _store(endpoint, bucket).lookup(KEYS) == [L3, L3]
+
+
+def test_a_long_prompt_is_looked_up_in_growing_runs_to_its_first_gap(endpoint, bucket):
+    long = [i.to_bytes(2, "little") * 8 for i in range(70)]  # runs of 32 then 64 keys: the gap is in the second
+    writer = _store(endpoint, bucket, prefix="long/")
+    writer.save(long, [i % 32 for i in range(70)])
+    settle(writer)
+    unknown = [bytes([0xEE, i]) * 8 for i in range(10)]
+    assert _store(endpoint, bucket, prefix="long/").lookup(long + unknown) == [L3] * 70
 
 
 def test_another_process_hits_what_this_one_wrote(endpoint, bucket, tmp_path):
@@ -169,8 +180,6 @@ def test_the_bucket_never_holds_more_than_its_limit_and_hits_stay_longest(endpoi
 
 
 def test_two_stores_keep_one_limit_through_the_listing(endpoint, bucket, monkeypatch):
-    import deepinfer_core.kvstore.object_tier as object_tier
-
     frame_bytes = _store(endpoint, bucket, prefix="probe/").pool.frame_bytes
     limit = 3 * frame_bytes + frame_bytes // 2
     late = _store(endpoint, bucket, l3_bytes=limit)  # listed the bucket empty
@@ -197,6 +206,17 @@ def test_a_bucket_that_cannot_be_used_fails_the_start_with_its_cause(endpoint):
         cpu_store(None, config=bucket_store_config("s3://never-made", endpoint))
     with pytest.raises(StoreUnreachable, match="s3://never-made"):
         cpu_store(None, config=bucket_store_config("s3://never-made", "http://127.0.0.1:9"))
+
+
+def test_a_bucket_gone_quiet_costs_misses_not_a_wait_per_prompt():
+    with s3_server() as short_lived:
+        name = "kv-quiet"
+        store = _store(short_lived, (name, make_bucket(short_lived, name)))
+    others = [bytes([7, i]) * 8 for i in range(4)]
+    for _ in range(3):  # the server is gone: the first lookup waits out its deadline, the rest not at all
+        start = time.monotonic()
+        assert store.lookup(others) == []
+        assert time.monotonic() - start < object_tier.LOOKUP_TIMEOUT_S + 0.5
 
 
 def test_serve_stops_before_starting_anything_when_the_bucket_cannot_be_used(endpoint, bucket, capsys):

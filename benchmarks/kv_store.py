@@ -20,9 +20,13 @@ Bandwidth: a store over a KV cache on `--device` (blocks of `--layers` x `--bloc
     L3 read   file -> slots through the file mover only (NIXL POSIX, or plain I/O)
     L3 load   lookup + read + verify + copy into KV blocks, from a store whose pool is empty
 Files are read back from the page cache (just written), so L3 figures are memory-bound, not disk's.
+With `--kv-store-url s3://bucket/prefix` (and `--kv-store-endpoint`), L3 is that bucket through
+NIXL's OBJ backend instead: "L3 read" is then the GETs alone, and the figures are the endpoint's
+(a local test server such as moto measures the server, not S3).
 
     python benchmarks/kv_store.py                       # both parts, CPU
     python benchmarks/kv_store.py --skip-workload --device cuda --backend FILE
+    python benchmarks/kv_store.py --skip-workload --kv-store-url s3://kv/bench --kv-store-endpoint http://127.0.0.1:9000
 """
 
 from __future__ import annotations
@@ -172,9 +176,14 @@ def _timed(fn, repeat: int = 5) -> float:
     return best
 
 
-def _store(directory: str, kv: torch.Tensor, backend: str, l2_bytes: int) -> KVStore:
+def _store(directory: str, kv: torch.Tensor, args, l2_bytes: int) -> KVStore:
     layout = KVLayout.of({"architectures": ["Bench"]}, kv, kv.shape[2])
-    config = KVStoreConfig(directory=directory, l2_bytes=l2_bytes, l3_bytes=1 << 34, backend=backend)
+    if args.kv_store_url:
+        config = KVStoreConfig(
+            url=args.kv_store_url, endpoint=args.kv_store_endpoint, l2_bytes=l2_bytes, l3_bytes=1 << 34
+        )
+    else:
+        config = KVStoreConfig(directory=directory, l2_bytes=l2_bytes, l3_bytes=1 << 34, backend=args.backend)
     return KVStore(config, kv, layout, b"bench-namespace!", "bench")
 
 
@@ -196,7 +205,7 @@ def run_bandwidth(args) -> list[tuple[str, float, float]]:
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     rows = []
     with tempfile.TemporaryDirectory(prefix="kv-store-bw-") as directory:
-        store = _store(directory, kv, args.backend, l2_bytes=_pool_bytes(n, kv))
+        store = _store(directory, kv, args, l2_bytes=_pool_bytes(n, kv))
         nbytes = n * store.pool.payload_bytes
         host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
         dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
@@ -230,8 +239,9 @@ def run_bandwidth(args) -> list[tuple[str, float, float]]:
         start = time.perf_counter()
         store.save(keys, blocks)
         _settle(store)
+        where = "object" if args.kv_store_url else "file"
         rows.append(
-            ("L3 write (seal + file)", n * store.pool.frame_bytes / (time.perf_counter() - start) / 1e9, to_host)
+            (f"L3 write (seal + {where})", n * store.pool.frame_bytes / (time.perf_counter() - start) / 1e9, to_host)
         )
         rows += _l3_reads(directory, kv, args, keys, nbytes, to_kv)
         torch.testing.assert_close(kv[:, n : 2 * n], kv[:, :n], rtol=0, atol=0)  # what was loaded is what was saved
@@ -241,10 +251,13 @@ def run_bandwidth(args) -> list[tuple[str, float, float]]:
 
 def _l3_reads(directory: str, kv: torch.Tensor, args, keys: list[bytes], nbytes: int, to_kv: float) -> list:
     n = len(keys)
-    reader = _store(directory, kv, args.backend, l2_bytes=_pool_bytes(n, kv))
+    reader = _store(directory, kv, args, l2_bytes=_pool_bytes(n, kv))
     slots = reader.pool.stage(n)
-    fds = [os.open(reader.tier.path_of(k), os.O_RDONLY) for k in keys]
-    items = [reader.tier.transfer_item(s, fd) for s, fd in zip(slots, fds)]
+    if args.kv_store_url:  # GETs of the objects into the slots
+        fds, items = [], [reader.tier._item(s, k) for s, k in zip(slots, keys)]
+    else:
+        fds = [os.open(reader.tier.path_of(k), os.O_RDONLY) for k in keys]
+        items = [reader.tier.transfer_item(s, fd) for s, fd in zip(slots, fds)]
     raw = _timed(lambda: reader.tier.io.read(items, 60.0))
     checks = _timed(lambda: [frame.verify(reader.pool.frame(s), k, reader.namespace) for s, k in zip(slots, keys)])
     for fd in fds:
@@ -261,7 +274,11 @@ def _l3_reads(directory: str, kv: torch.Tensor, args, keys: list[bytes], nbytes:
     assert placed == n, f"placed {placed} of {n} blocks"
     reader.close()
     return [
-        (f"L3 read ({reader.tier.io.name}, file -> pool)", host_bytes / raw / 1e9, to_kv),
+        (
+            f"L3 read ({reader.tier.io.name}, {'object' if args.kv_store_url else 'file'} -> pool)",
+            host_bytes / raw / 1e9,
+            to_kv,
+        ),
         (f"checksum verify ({_algorithm()})", host_bytes / checks / 1e9, to_kv),
         ("L3 load (lookup + read + verify + copy)", nbytes / seconds / 1e9, to_kv),
     ]
@@ -275,7 +292,7 @@ def print_bandwidth(rows, args) -> None:
     mib = args.blocks * args.layers * args.block_tokens * args.width * 4 / 2**20
     print(
         f"\nTier bandwidth: {args.blocks} blocks of {args.layers} layers x {args.block_tokens} tokens x {args.width} fp32 "
-        f"({mib:.0f} MiB), KV cache on {args.device}, backend {args.backend}\n"
+        f"({mib:.0f} MiB), KV cache on {args.device}, L3 {args.kv_store_url or 'files, backend ' + args.backend}\n"
     )
     print("| path | GB/s | memcpy GB/s | of memcpy |")
     print("|---|---:|---:|---:|")
@@ -299,6 +316,8 @@ def main() -> None:
     ap.add_argument("--skip-bandwidth", action="store_true")
     ap.add_argument("--device", default="cpu", help="bandwidth part: where the KV cache lives")
     ap.add_argument("--backend", default="POSIX", choices=["POSIX", "FILE"])
+    ap.add_argument("--kv-store-url", default=None, help="bandwidth part: L3 in this bucket (s3://bucket/prefix)")
+    ap.add_argument("--kv-store-endpoint", default=None, help="the bucket's S3-compatible endpoint")
     ap.add_argument("--blocks", type=int, default=64)
     ap.add_argument("--layers", type=int, default=16)
     ap.add_argument("--block-tokens", type=int, default=16)

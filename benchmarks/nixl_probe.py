@@ -35,7 +35,9 @@ MiB = 2**20
 
 
 def _agent(name: str, num_threads: int = 0, progress_thread: bool = True):
-    from nixl._api import nixl_agent, nixl_agent_config
+    from deepinfer_core.transfer.nixl_variant import api
+
+    nixl_agent, nixl_agent_config = api().nixl_agent, api().nixl_agent_config
 
     config = nixl_agent_config(backends=["UCX"], num_threads=num_threads, enable_prog_thread=progress_thread)
     return nixl_agent(name, config)

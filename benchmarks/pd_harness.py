@@ -140,12 +140,14 @@ class _Server:
         return stats.to_dict() if stats is not None else None
 
     def kv_store_paths(self, prompt_token_ids):
-        """The entry file of each full block of a text prompt, in order (where the store keeps it)."""
+        """The entry of each full block of a text prompt, in order: its file's path, or its object's
+        key in a bucket store."""
         from deepinfer_core.sequence import Sequence
 
         store = self.engine.kv_store
         seq = Sequence(-1, "", list(prompt_token_ids), SamplingParams())
-        return [store.tier.path_of(k) for k in store.keys(seq, len(seq) // store.block_size)]
+        name_of = store.tier.bucket.object_key if hasattr(store.tier, "bucket") else store.tier.path_of
+        return [name_of(k) for k in store.keys(seq, len(seq) // store.block_size)]
 
     def pump(self) -> bool:
         """One loop turn of engine work; True when there was work."""

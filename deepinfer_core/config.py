@@ -6,6 +6,7 @@ part it needs. Bad combinations raise `ValueError` naming the fields.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -274,11 +275,18 @@ KV_STORE_BACKENDS = ("POSIX", "FILE")
 @dataclass(frozen=True)
 class KVStoreConfig:
     """The KV cache store under the engine's prefix cache (`deepinfer_core/kvstore/`): L2, a host-memory
-    pool per engine, and L3, entry files under `directory` shared by every engine pointed at it.
-    Off (nothing changes) unless `directory` is set."""
+    pool per engine, and L3, entry files under `directory` (or objects in the bucket of `url`) shared
+    by every engine pointed at it. Off (nothing changes) unless `directory` or `url` is set."""
 
     directory: Optional[str] = None
     """L3's directory (local disk, or a shared filesystem for a cluster-wide store); None: no store."""
+    url: Optional[str] = None
+    """L3 in an S3-compatible bucket instead of a directory: "s3://bucket[/prefix]", moved by NIXL's
+    OBJ backend (`kvstore/object_tier.py`); credentials from the standard AWS environment."""
+    endpoint: Optional[str] = None
+    """`url`'s S3-compatible endpoint ("http://minio:9000"); None: AWS S3 (or `AWS_ENDPOINT_URL`)."""
+    region: Optional[str] = None
+    """`url`'s region; None: `AWS_REGION` / `AWS_DEFAULT_REGION`, else us-east-1."""
     l2_bytes: int = 256 * 1024 * 1024
     """This engine's host-memory pool: staging for every save and load, and the L2 tier."""
     l3_bytes: int = 16 * 1024 * 1024 * 1024
@@ -299,6 +307,14 @@ class KVStoreConfig:
     adapter, a deployment's revision). Engines share entries only when this is equal too."""
 
     def __post_init__(self) -> None:
+        if self.url is not None:
+            if self.directory is not None:
+                raise ValueError("a KV store is a directory or a bucket URL, not both")
+            bucket_of(self.url)
+            if self.endpoint is not None and not re.match(r"https?://[^/\s]+", self.endpoint):
+                raise ValueError(f"KV store endpoint {self.endpoint!r}: give a URL, e.g. http://minio:9000")
+        elif self.endpoint is not None or self.region is not None:
+            raise ValueError("a KV store endpoint or region needs a bucket URL (s3://bucket[/prefix])")
         if self.backend not in KV_STORE_BACKENDS:
             raise ValueError(f"unknown KV store backend {self.backend!r}; choose one of {', '.join(KV_STORE_BACKENDS)}")
         for name in ("l2_bytes", "l3_bytes"):
@@ -313,7 +329,26 @@ class KVStoreConfig:
 
     @property
     def enabled(self) -> bool:
-        return self.directory is not None
+        return self.directory is not None or self.url is not None
+
+    @property
+    def location(self) -> str:
+        """Where L3 is, for logs and errors."""
+        return self.url if self.url is not None else str(self.directory)
+
+
+_BUCKET = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
+
+
+def bucket_of(url: str) -> tuple[str, str]:
+    """(bucket, key prefix ending in "/" or empty) of "s3://bucket[/prefix]"; ValueError otherwise."""
+    if not url.startswith("s3://"):
+        raise ValueError(f"KV store URL {url!r}: only s3://bucket[/prefix] is supported")
+    bucket, _, prefix = url[len("s3://") :].partition("/")
+    if not _BUCKET.fullmatch(bucket):
+        raise ValueError(f"KV store URL {url!r}: {bucket!r} is not an S3 bucket name (3-63 of a-z 0-9 . -)")
+    prefix = prefix.strip("/")
+    return bucket, prefix + "/" if prefix else ""
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,8 @@
     L2  a host-memory pool per engine (`host_pool.py`): framed blocks, LRU, NIXL-registered
     L3  entry files under a directory (`file_tier.py`, `index.py`): one file per block, shared by
         every engine pointed at the directory, one byte limit, LRU; written and read through NIXL's
-        POSIX storage backend (`transfer/storage_io.py`)
+        POSIX storage backend (`transfer/storage_io.py`). Or objects in an S3-compatible bucket
+        (`object_tier.py`, `bucket.py`) through NIXL's OBJ backend (`transfer/object_io.py`)
 
 A block's key (`keys.py`) is the chain hash of its tokens, the namespace of the model, weights
 and KV layout (`identity.py`) and the content hashes of the images in it. Every entry is framed
@@ -54,7 +55,7 @@ def open_store(
         name,
         store.pool.num_slots,
         store.pool.slot_bytes,
-        config.kv_store.directory,
+        store.tier.location,
         store.tier.io.name,
         config.kv_store.l3_bytes / 2**30,
     )

@@ -78,6 +78,20 @@ class FileTier:
         self.index = StoreIndex(directory, capacity_bytes, self.path_of)
         self._hashers = ThreadPoolExecutor(HASH_THREADS, thread_name_prefix="kv-store-hash")
 
+    @property
+    def location(self) -> str:
+        return self.directory
+
+    def ready_keys(self, keys: list[bytes]) -> set[bytes]:
+        """Which of `keys` have a published entry (one index query)."""
+        return self.index.ready_keys(keys)
+
+    known_keys = ready_keys
+    """What a save skips: the index is exact and local, so the same query."""
+
+    def total_bytes(self) -> int:
+        return self.index.total_bytes()
+
     def path_of(self, key: bytes) -> str:
         name = key.hex()
         return os.path.join(self.directory, name[:2], name + ".kvblock")

@@ -1,4 +1,5 @@
-"""`KVStore`: one engine's view of the KV cache store, L2 (its host pool) over L3 (entry files).
+"""`KVStore`: one engine's view of the KV cache store, L2 (its host pool) over L3 (entry files, or
+objects in a bucket: `FileTier` or `ObjectTier`, the same jobs and results).
 
 Called on the engine's thread only; the file work runs on the store's I/O thread (`io_thread`).
 
@@ -66,6 +67,16 @@ class StoreLoad:
         return end - self.started
 
 
+def open_tier(config: KVStoreConfig, pool: HostPool, namespace: bytes, name: str):
+    """L3: objects in `config.url`'s bucket, else files under `config.directory`."""
+    if config.url is not None:
+        from deepinfer_core.kvstore.object_tier import ObjectTier  # lazy: boto3 only for a bucket
+
+        return ObjectTier(config, pool, namespace, name)
+    file_io = open_file_io(config.backend, name, pool.buffer)
+    return FileTier(config.directory, config.l3_bytes, pool, namespace, file_io)
+
+
 class KVStore:
     def __init__(
         self,
@@ -83,8 +94,7 @@ class KVStore:
         self.block_size = layout.block_size
         self.namespace = namespace
         self.pool = HostPool(config.l2_bytes, layout.num_layers * layout.block_bytes, pin_memory=kv_buffer.is_cuda)
-        file_io = open_file_io(config.backend, name, self.pool.buffer)
-        self.tier = FileTier(config.directory, config.l3_bytes, self.pool, namespace, file_io)
+        self.tier = open_tier(config, self.pool, namespace, name)
         self.io = IOThread(self.tier, name)
         self.counters = KVStoreStats(l3_capacity_bytes=config.l3_bytes)
         self._jobs: dict[int, StoreLoad] = {}  # id(job) -> its load, until the result is back
@@ -100,7 +110,7 @@ class KVStore:
     def lookup(self, keys: list[bytes]) -> list[str]:
         """Tiers of the longest prefix of `keys` that L2 or L3 holds."""
         in_l2 = [k in self.pool for k in keys]
-        on_disk = self.tier.index.ready_keys([k for k, held in zip(keys, in_l2) if not held])
+        on_disk = self.tier.ready_keys([k for k, held in zip(keys, in_l2) if not held])
         tiers = []
         for key, held in zip(keys, in_l2):
             if not held and key not in on_disk:
@@ -169,7 +179,7 @@ class KVStore:
     # ---- saves ----------------------------------------------------------------------------
     def save(self, keys: list[bytes], blocks: list[int]) -> None:
         """Hand blocks (the engine's, holding the KV of `keys`) to the store; does not wait."""
-        on_disk = self.tier.index.ready_keys(keys)
+        on_disk = self.tier.known_keys(keys)
         todo = [(k, b) for k, b in zip(keys, blocks) if k not in on_disk]
         self.counters.save_skipped_blocks += len(keys) - len(todo)
         held = [(k, self.pool.take(k)) for k, _ in todo if k in self.pool]

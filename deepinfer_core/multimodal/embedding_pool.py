@@ -40,9 +40,10 @@ class _Lease:
 
 class EmbeddingPool:
     def __init__(self, slot_shape: tuple[int, int], dtype: torch.dtype, capacity_bytes: int, lease_s: float = 30.0):
-        from nixl._api import nixl_agent, nixl_agent_config  # lazy: only an encoder process parks embeddings
-
         from deepinfer_core.transfer.nixl_agent import _progress_thread_delay
+        from deepinfer_core.transfer.nixl_variant import api  # lazy: only an encoder process parks embeddings
+
+        nixl_agent, nixl_agent_config = api().nixl_agent, api().nixl_agent_config
 
         self.slot_shape = tuple(slot_shape)
         self.dtype = dtype

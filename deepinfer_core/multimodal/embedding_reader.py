@@ -22,9 +22,10 @@ from deepinfer_core.multimodal.embedding_pool import READ_MARGIN_S
 
 class EmbeddingReader:
     def __init__(self, num_slots: int = 8, device: str = "cpu"):
-        from nixl._api import nixl_agent, nixl_agent_config  # lazy: only engines that read embeddings
-
         from deepinfer_core.transfer.nixl_agent import _progress_thread_delay
+        from deepinfer_core.transfer.nixl_variant import api  # lazy: only engines that read embeddings
+
+        nixl_agent, nixl_agent_config = api().nixl_agent, api().nixl_agent_config
 
         self.name = f"mm-{uuid.uuid4().hex[:8]}"
         self.num_slots = num_slots

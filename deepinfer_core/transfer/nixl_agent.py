@@ -74,7 +74,9 @@ class NixlKVAgent:
     ):
         """`sends`: this agent writes KV to peers (a PE), which decides its progress thread."""
         _keep_one_libibverbs()
-        from nixl._api import nixl_agent, nixl_agent_config  # lazy: engines without P/D never import nixl
+        from deepinfer_core.transfer.nixl_variant import api  # lazy: engines without P/D never import nixl
+
+        nixl_agent, nixl_agent_config = api().nixl_agent, api().nixl_agent_config
 
         self.name = f"{name_prefix}-{uuid.uuid4().hex[:8]}"
         self.layout = layout
@@ -381,8 +383,9 @@ def _progress_thread_delay(delay_us: int) -> Iterator[None]:
     Python wrapper does not expose, so its config class is swapped for one that keeps our value
     while the agent is built (the bindings' own class is restored on exit).
     """
-    import nixl._api as api
+    from deepinfer_core.transfer.nixl_variant import api as nixl_api
 
+    api = nixl_api()
     base = api.nixlBind.nixlAgentConfig
     if delay_us <= 0:
         yield

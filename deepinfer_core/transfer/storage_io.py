@@ -66,7 +66,9 @@ class NixlFileIO:
     name = "POSIX"
 
     def __init__(self, name_prefix: str, buffer: torch.Tensor, params: dict[str, str] | None = None):
-        from nixl._api import nixl_agent, nixl_agent_config  # lazy: engines without a store never import nixl
+        from deepinfer_core.transfer.nixl_variant import api  # lazy: engines without a store never import nixl
+
+        nixl_agent, nixl_agent_config = api().nixl_agent, api().nixl_agent_config
 
         self.buffer = buffer
         # No progress thread: storage transfers are driven by polling on the I/O thread.

@@ -307,6 +307,7 @@ def run(args: argparse.Namespace) -> int:
         from services.controller.head import Head
 
         config = config_from_args(args)
+        kv_store_args.check(config.engine_args.kv_store)
         install_uvloop()
         asyncio.run(Head(config).run())
     return 0

@@ -26,6 +26,7 @@ import functools
 import logging
 import os
 import signal
+from typing import Any
 
 from services.common.gc_tuning import freeze_startup_heap
 from services.common.grpc_util import bind, enable_reflection, new_server
@@ -114,7 +115,10 @@ class Head:
         with multiprocess.hidden():  # the workers serve metrics of their own, never summed with ours
             if self.config.ray_address:
                 context = ray.init(
-                    address=self.config.ray_address, logging_level=logging.WARNING, log_to_driver=verbose
+                    address=self.config.ray_address,
+                    logging_level=logging.WARNING,
+                    log_to_driver=verbose,
+                    **self._engine_runtime_env(),
                 )
             else:
                 context = ray.init(
@@ -127,6 +131,16 @@ class Head:
                 )
         self._ray_started = True
         print(f"deepinfer: Ray cluster at {context.address_info['gcs_address']}", flush=True)
+
+    def _engine_runtime_env(self) -> dict[str, Any]:
+        """A bucket KV store's AWS credentials for the engines of a cluster started elsewhere (its
+        workers have their own environment; a cluster of our own inherits this one)."""
+        if self.config.engine_args.kv_store.url is None:
+            return {}
+        from deepinfer_core.kvstore.bucket import engine_env
+
+        env = engine_env(dict(os.environ))
+        return {"runtime_env": {"env_vars": env}} if env else {}
 
     async def _start_router(self) -> None:
         from proto import gateway_pb2_grpc, router_pb2_grpc

@@ -28,7 +28,7 @@ def _isolated(args: tuple[str, ...], store_dir: str) -> list[str]:
     extra = []
     if "--local-prefill-tokens" not in args:
         extra += ["--local-prefill-tokens", "0"]
-    if "--kv-store-dir" not in args and "--no-kv-store" not in args:
+    if not {"--kv-store-dir", "--kv-store-url", "--no-kv-store"} & set(args):
         extra += ["--kv-store-dir", store_dir]
     return [*extra, *args]
 

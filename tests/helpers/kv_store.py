@@ -25,11 +25,19 @@ def store_config(directory: str, **kw) -> KVStoreConfig:
     return KVStoreConfig(directory=str(directory), **{"l2_bytes": 4 << 20, "l3_bytes": 64 << 20, **kw})
 
 
-def cpu_store(directory: str, num_blocks: int = 32, namespace: bytes = NAMESPACE, **kw) -> KVStore:
-    """A store over a random `[layers=3, num_blocks, 8, 6]` fp32 'KV cache' (no model)."""
+def bucket_store_config(url: str, endpoint: str, **kw) -> KVStoreConfig:
+    """A store whose L3 is `url`'s bucket on the S3-compatible server at `endpoint`."""
+    return KVStoreConfig(url=url, endpoint=endpoint, **{"l2_bytes": 4 << 20, "l3_bytes": 64 << 20, **kw})
+
+
+def cpu_store(
+    directory: Optional[str], num_blocks: int = 32, namespace: bytes = NAMESPACE, config=None, **kw
+) -> KVStore:
+    """A store over a random `[layers=3, num_blocks, 8, 6]` fp32 'KV cache' (no model); `config`
+    instead of a directory for a bucket."""
     kv = torch.randn((3, num_blocks, 8, 6), generator=torch.Generator().manual_seed(0))
     layout = KVLayout.of({"architectures": ["Test"]}, kv, 8)
-    return KVStore(store_config(directory, **kw), kv, layout, namespace, "test")
+    return KVStore(config or store_config(directory, **kw), kv, layout, namespace, "test")
 
 
 def settle(store: KVStore, timeout_s: float = 30.0) -> None:

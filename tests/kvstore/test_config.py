@@ -2,7 +2,7 @@
 
 import pytest
 
-from deepinfer_core.config import KVStoreConfig
+from deepinfer_core.config import KVStoreConfig, bucket_of
 from deepinfer_core.engine_args import EngineArgs
 from tests.helpers.pd import local_pe
 
@@ -35,6 +35,27 @@ def test_engine_args_carry_the_store(tmp_path):
 def test_bad_settings_are_refused(bad):
     with pytest.raises(ValueError):
         KVStoreConfig(directory="/tmp/x", **bad)
+
+
+@pytest.mark.parametrize(
+    "bad,message",
+    [
+        (dict(directory="/tmp/x", url="s3://kv-cache"), "not both"),
+        (dict(url="s3://kv-cache", endpoint="minio:9000"), "give a URL"),
+        (dict(url="file:///tmp/x"), "only s3://"),
+        (dict(directory="/tmp/x", region="eu-west-1"), "needs a bucket URL"),
+    ],
+    ids=str,
+)
+def test_bad_bucket_settings_are_refused(bad, message):
+    with pytest.raises(ValueError, match=message):
+        KVStoreConfig(**bad)
+
+
+def test_a_bucket_store_is_on_with_its_prefix():
+    config = KVStoreConfig(url="s3://kv-cache/team/a/", endpoint="https://s3.example:443", region="eu-west-1")
+    assert config.enabled and config.location == "s3://kv-cache/team/a/"
+    assert bucket_of(config.url) == ("kv-cache", "team/a/") and bucket_of("s3://kv-cache") == ("kv-cache", "")
 
 
 def test_a_pool_too_small_for_one_block_fails_at_start(tmp_path):

@@ -7,9 +7,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
+from tests.helpers.nixl import require_nixl  # noqa: E402
 
-pytest.importorskip("nixl")
+require_nixl()
 
 ROOT = Path(__file__).resolve().parents[2]
 _MAKE_AGENT = """

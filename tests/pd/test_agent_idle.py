@@ -3,17 +3,20 @@
 import os
 import time
 
-import pytest
 import torch
 
-pytest.importorskip("nixl")
+from tests.helpers.nixl import require_nixl  # noqa: E402
+
+require_nixl()
 
 from deepinfer_core.transfer.layout import KVLayout  # noqa: E402
 from deepinfer_core.transfer.nixl_agent import NixlKVAgent, _progress_thread_delay  # noqa: E402
 
 
 def test_the_config_keeps_our_pause_while_the_agent_is_built():
-    import nixl._api as api
+    from deepinfer_core.transfer.nixl_variant import api as nixl_api
+
+    api = nixl_api()
 
     base = api.nixlBind.nixlAgentConfig
     with _progress_thread_delay(250):

@@ -3,7 +3,9 @@
 import pytest
 import torch
 
-pytest.importorskip("nixl")
+from tests.helpers.nixl import require_nixl  # noqa: E402
+
+require_nixl()
 
 from deepinfer_core.transfer.layout import KVLayout  # noqa: E402
 from deepinfer_core.transfer.nixl_agent import NixlKVAgent, TransferError  # noqa: E402

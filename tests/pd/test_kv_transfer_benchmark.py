@@ -7,7 +7,9 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("nixl")
+from tests.helpers.nixl import require_nixl  # noqa: E402
+
+require_nixl()
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "kv_transfer.py"
 

@@ -5,7 +5,9 @@ token, here with neither engine's thread."""
 import pytest
 import torch
 
-pytest.importorskip("nixl")
+from tests.helpers.nixl import require_nixl  # noqa: E402
+
+require_nixl()
 
 from benchmarks.pd_harness import PDPair  # noqa: E402
 from deepinfer_core import envs  # noqa: E402

@@ -11,7 +11,9 @@ import grpc
 import httpx
 import pytest
 
-pytest.importorskip("nixl")
+from tests.helpers.nixl import require_nixl  # noqa: E402
+
+require_nixl()
 
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc  # noqa: E402
 

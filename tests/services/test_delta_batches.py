@@ -16,7 +16,9 @@ from typing import Optional
 import grpc
 import pytest
 
-pytest.importorskip("nixl")
+from tests.helpers.nixl import require_nixl  # noqa: E402
+
+require_nixl()
 
 from deepinfer_core import SamplingParams  # noqa: E402
 from proto import worker_pb2, worker_pb2_grpc  # noqa: E402

@@ -10,7 +10,9 @@ import random
 
 import pytest
 
-pytest.importorskip("nixl")
+from tests.helpers.nixl import require_nixl  # noqa: E402
+
+require_nixl()
 
 from deepinfer_core import LLM, SamplingParams  # noqa: E402
 from services.common.workers import POOL_DECODE, POOL_PREFILL  # noqa: E402

@@ -5,9 +5,10 @@ worker servers started beside it (one with an engine built outside) register at
 import asyncio
 
 import httpx
-import pytest
 
-pytest.importorskip("nixl")
+from tests.helpers.nixl import require_nixl  # noqa: E402
+
+require_nixl()
 
 from deepinfer_core import LLM, SamplingParams  # noqa: E402
 from services.common.workers import POOL_DECODE, POOL_PREFILL  # noqa: E402

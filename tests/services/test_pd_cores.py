@@ -7,7 +7,9 @@ import contextlib
 
 import pytest
 
-pytest.importorskip("nixl")
+from tests.helpers.nixl import require_nixl  # noqa: E402
+
+require_nixl()
 
 from deepinfer_core import LLM, SamplingParams  # noqa: E402
 from services.common.errors import ErrorCode, ServiceError  # noqa: E402

@@ -61,6 +61,37 @@ def test_store_flags_default_on_under_the_cache_dir():
     assert not config_from_args(p.parse_args(["--no-kv-store"])).enabled
 
 
+def test_store_flags_put_the_store_in_a_bucket_and_refuse_mixed_places():
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    argv = [
+        "--kv-store-url",
+        "s3://kv-cache/prod",
+        "--kv-store-endpoint",
+        "http://minio:9000",
+        "--kv-store-region",
+        "eu-1",
+    ]
+    chosen = config_from_args(p.parse_args([*argv, "--kv-store-bytes", "1TiB"]))
+    assert (chosen.url, chosen.endpoint, chosen.region, chosen.directory) == (
+        "s3://kv-cache/prod",
+        "http://minio:9000",
+        "eu-1",
+        None,
+    )
+    assert chosen.enabled and chosen.l3_bytes == 2**40 and chosen.location == "s3://kv-cache/prod"
+    refused = {
+        "two places": ["--kv-store-url", "s3://kv-cache", "--kv-store-dir", "/tmp/s"],
+        "need --kv-store-url": ["--kv-store-endpoint", "http://minio:9000"],
+        "only s3://": ["--kv-store-url", "gs://kv-cache"],
+        "not an S3 bucket name": ["--kv-store-url", "s3://Bad_Name"],
+        "give a URL": ["--kv-store-url", "s3://kv-cache", "--kv-store-endpoint", "minio:9000"],
+    }
+    for message, bad in refused.items():
+        with pytest.raises(ValueError, match=message):
+            config_from_args(p.parse_args(bad))
+
+
 @pytest.mark.parametrize(
     "text,value", [("1024", 1024), ("4GiB", 4 * 2**30), ("1.5k", 1500), ("2 mib", 2 * 2**20), ("1e9", 10**9)]
 )

@@ -8,7 +8,9 @@ import logging
 
 import pytest
 
-pytest.importorskip("nixl")
+from tests.helpers.nixl import require_nixl  # noqa: E402
+
+require_nixl()
 
 from services.common.messages import info_from_proto, info_to_proto  # noqa: E402
 from services.common.workers import POOL_DECODE, POOL_PREFILL  # noqa: E402

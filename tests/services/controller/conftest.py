@@ -111,7 +111,9 @@ class Groups:
 
 @pytest.fixture(scope="package")
 def groups():
-    pytest.importorskip("nixl")
+    from tests.helpers.nixl import require_nixl
+
+    require_nixl()
     g = Groups()
     yield g
     g.close()

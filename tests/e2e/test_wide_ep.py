@@ -55,7 +55,14 @@ def _rank_workers(text: str) -> list[str]:
 
 
 def test_requests_land_on_every_rank_and_metrics_show_each_rank(wide, served):
-    text = httpx.get(f"{wide.url}/metrics", timeout=10).text
+    def every_rank_counted() -> str:
+        # the gateway's view of the workers' counters is as fresh as its last poll of them
+        text = httpx.get(f"{wide.url}/metrics", timeout=10).text
+        ranks = _rank_workers(text)
+        served = all(metric_value(text, "deepinfer:handoffs_total", worker=w) >= 1 for w in ranks)
+        return text if len(ranks) == 4 and served else ""
+
+    text = wait_until(every_rank_counted, timeout_s=30) or httpx.get(f"{wide.url}/metrics", timeout=10).text
     ranks = _rank_workers(text)
     assert len(ranks) == 4, ranks
     for worker in ranks:

@@ -8,6 +8,9 @@ dispatcher (counts + rows + combine) and includes waiting for the slowest rank.
     python benchmarks/wide_ep.py [--ep 1 2 4] [--batch 8] [--steps 40]
 
 GPU: pass `--device cuda` on a machine with N GPUs (`--backend nccl`); each rank takes cuda:<rank>.
+On one GPU, `--gpu` runs `benchmarks/wide_ep_gpu.py` instead (its flags follow): the per-layer MoE
+compute of a 1/N expert shard against the full layer at DeepSeek-V3 widths, and the padded
+dispatch over NCCL eager and in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -125,7 +128,12 @@ def eplb_rows() -> list[tuple]:
 
 
 def main() -> None:
+    if "--gpu" in sys.argv[1:]:
+        from benchmarks.wide_ep_gpu import main as gpu_main
+
+        return gpu_main([a for a in sys.argv[1:] if a != "--gpu"])
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--gpu", action="store_true", help="the one-GPU mode (benchmarks/wide_ep_gpu.py; see --gpu --help)")
     ap.add_argument("--ep", type=int, nargs="+", default=[1, 2, 4])
     ap.add_argument("--batch", type=int, default=8, help="decoding sequences per rank")
     ap.add_argument("--steps", type=int, default=40)

@@ -132,7 +132,7 @@ class PaddedAllToAllDispatcher(AllToAllDispatcher):
         place = torch.arange(B, device=device).expand(N, B).contiguous()
         labels = torch.searchsorted(ends, place, right=True).reshape(-1)  # [N*B] local slot; S: padding
         order = torch.argsort(labels, stable=True)  # by slot, sources in order, padding last
-        counts = torch.bincount(labels, minlength=S + 1)[:S]
+        counts = recv_counts.view(N, S).sum(0)  # not `bincount`: on CUDA it reads its input's max back
         return Dispatched(arrived[order], counts, (order, at))
 
     def combine(self, expert_out: torch.Tensor, handle: Any) -> torch.Tensor:

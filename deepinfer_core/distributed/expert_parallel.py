@@ -28,6 +28,12 @@ from deepinfer_core.distributed.placement import ExpertPlacement
 from deepinfer_core.models.layers.moe import FusedExperts, PermutedTokens, SparseMoeBlock
 
 
+def count_ids(ids: torch.Tensor, n: int) -> torch.Tensor:
+    """[n] int64: how often each id in [0, n) occurs in `ids`. Not `torch.bincount`, whose CUDA
+    kernel reads the input's max back to the host: this stays on the device and inside a CUDA graph."""
+    return torch.zeros(n, dtype=torch.int64, device=ids.device).scatter_add_(0, ids, torch.ones_like(ids))
+
+
 class ExpertParallelMoE:
     """The routed experts of MoE layer `layer` over the instance (set as `SparseMoeBlock.ep`)."""
 
@@ -48,7 +54,7 @@ class ExpertParallelMoE:
         phys = self.placement.to_physical(self.layer, ids, self.group.rank).reshape(-1)  # [T*k]
         order = torch.argsort(phys, stable=True)
         token_of = torch.arange(T, device=x.device).repeat_interleave(k)  # [T*k]
-        slot_counts = torch.bincount(phys, minlength=self.placement.num_slots)
+        slot_counts = count_ids(phys, self.placement.num_slots)
         sent = self.dispatcher.dispatch(x[token_of[order]], slot_counts)
         empty = torch.empty(0, dtype=torch.int64, device=x.device)
         y = experts(PermutedTokens(sent.hidden, empty, empty.float(), sent.counts))  # [M, H]
@@ -60,7 +66,7 @@ class ExpertParallelMoE:
         return out.index_add_(0, token_of[by_expert], weighted)
 
     def _count(self, flat_ids: torch.Tensor) -> None:
-        counts = torch.bincount(flat_ids, minlength=self.placement.num_experts)
+        counts = count_ids(flat_ids, self.placement.num_experts)
         self.load = counts if self.load is None else self.load + counts
 
 

@@ -74,14 +74,17 @@ def load_weights_by_name(
 def expert_filter(model: nn.Module, rename: Rename) -> Callable[[str], bool]:
     """Whether the model reads a checkpoint tensor: False for a routed expert's tensor no local
     slot holds (another expert-parallel rank's), which the loader then skips unread."""
-    held = {prefix: set(m.local_experts) for prefix, m in _expert_modules(model).items()}
+    modules = _expert_modules(model)
+    held = {prefix: set(m.local_experts) for prefix, m in modules.items()}
 
     def reads(name: str) -> bool:
         target = rename(name)
         match = _EXPERT.match(target) if target else None
         if match is None or match["prefix"] not in held:
             return True
-        return int(match["expert"]) in held[match["prefix"]]
+        expert = int(match["expert"])
+        # an expert the model does not have is read, so that the loader names it as unused
+        return expert in held[match["prefix"]] or expert >= modules[match["prefix"]].num_experts
 
     return reads
 

@@ -62,6 +62,7 @@ class PoolHealer:
         pool = actor.pool
         logger.warning("%s died (%s): removing it from routing and starting a replacement", worker_id, why)
         await controller.router.registry.remove(worker_id)
+        controller.router.registry.declare_dead(worker_id)  # its fenced reservations can go
         controller.forget(worker_id)
         self.replaced(pool)
 

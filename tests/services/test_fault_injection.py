@@ -13,8 +13,10 @@ import pytest
 pytest.importorskip("nixl")
 
 from deepinfer_core import LLM, SamplingParams  # noqa: E402
+from deepinfer_core.config import PDConfig  # noqa: E402
 from services.common.workers import POOL_DECODE, POOL_PREFILL  # noqa: E402
 from services.metrics import definitions as m  # noqa: E402
+from services.router.clients import LocalWorkerClient  # noqa: E402
 from services.workers.spec import EngineSettings, WorkerSpec  # noqa: E402
 from services.workers.worker_server import build_engine  # noqa: E402
 from tests.helpers.fault_injection import Faults, at_rest, fail_every_nth_post, pd_cluster  # noqa: E402
@@ -144,6 +146,31 @@ def test_a_late_kv_write_into_an_aborted_reservation_never_reaches_another_reque
 
     tokens, view = _run(engines, Faults(), body)
     assert tokens == want[1].token_ids
+    _assert_at_rest(view)
+
+
+def test_a_prefill_slower_than_the_lease_keeps_its_reservation_by_heartbeats(engines, monkeypatch):
+    """The router reserves with a short lease and renews it while the prefill runs: a prefill that
+    takes three leases' time still lands (without the heartbeats its reservation would expire and
+    the PE refuse the target), with the undisturbed output; nothing is held afterwards."""
+    want = engines[3]
+    faults = Faults(delay_s={"prefill": 1.2})
+    pd = PDConfig(renewed_lease_s=0.4)
+    renewed = []
+    real = LocalWorkerClient.renew_lease
+
+    async def counted(self, request_id, prefill, lease_s, expires_at, timeout):
+        end = await real(self, request_id, prefill, lease_s, expires_at, timeout)
+        renewed.append((prefill, end))
+        return end
+
+    async def body(router, cores):
+        return await _view(router, "slow", PROMPTS[0], GREEDY)
+
+    monkeypatch.setattr(LocalWorkerClient, "renew_lease", counted)
+    got, view = _run(engines, faults, body, pd=pd)
+    assert got == (want[0].token_ids, want[0].text, "length")
+    assert len([end for prefill, end in renewed if not prefill and end > 0]) >= 2, renewed
     _assert_at_rest(view)
 
 

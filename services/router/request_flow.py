@@ -362,7 +362,11 @@ class SampleFlow:
                 # wait a little for that before blaming the request
                 all_failed_since = all_failed_since or time.monotonic()
                 if time.monotonic() - all_failed_since > self.config.failed_pool_grace_s:
-                    raise ServiceError(ErrorCode.UNAVAILABLE, f"every {POOL_NAMES[pool]} worker failed this request")
+                    raise ServiceError(
+                        ErrorCode.UNAVAILABLE,
+                        f"every {POOL_NAMES[pool]} worker failed this request",
+                        retry_after_s=self.config.retry_after_s,  # replacements start within seconds
+                    )
             else:
                 all_failed_since = None
             if time.monotonic() >= give_up:

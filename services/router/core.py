@@ -178,11 +178,7 @@ class RouterCore:
         pool = {h.worker_id: h for h in self.registry.pool(pool_id) if h.worker_id not in exclude}
         candidates = [
             DecodeCandidate(
-                h.worker_id,
-                h.inflight,
-                h.inflight_tokens,
-                h.info.num_blocks * h.info.block_size,
-                h.info.max_num_seqs,
+                h.worker_id, h.inflight, h.inflight_blocks, h.info.num_blocks, h.info.max_num_seqs, h.info.block_size
             )
             for h in pool.values()
         ]

@@ -40,6 +40,8 @@ class WorkerHandle:
     """Requests the router has on this worker now."""
     inflight_tokens: int = 0
     """PE: prompt tokens of prefills in flight. CE / NORMAL: prompt + max output tokens of its requests."""
+    inflight_blocks: int = 0
+    """CE / NORMAL: the KV blocks its requests may come to hold (each one's tokens in whole blocks)."""
     failures: int = 0
     connected_peers: bool = True
     """This registry connected its PEs to it (a CE), so it disconnects them when it leaves."""

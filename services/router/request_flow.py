@@ -26,6 +26,7 @@ from services.common.errors import ErrorCode, ServiceError
 from services.common.prefill_result import PrefillResult
 from services.common.workers import POOL_COLOCATED, POOL_DECODE, POOL_NAMES, POOL_PREFILL
 from services.metrics import definitions as m
+from services.router.decode_policy import blocks_for
 from services.router.encode_step import EncodeStep
 from services.router.lease_keeper import LeaseKeeper
 from services.router.local_prefill import local_prefill
@@ -378,12 +379,14 @@ class SampleFlow:
     def _hold(self, worker: WorkerHandle, tokens: int, pool_label: Optional[str]) -> None:
         worker.inflight += 1
         worker.inflight_tokens += tokens
+        worker.inflight_blocks += blocks_for(tokens, worker.info.block_size)
         if pool_label:
             m.ROUTER_DECISIONS.labels(pool_label, worker.worker_id).inc()
 
     def _release(self, worker: WorkerHandle, tokens: int) -> None:
         worker.inflight -= 1
         worker.inflight_tokens -= tokens
+        worker.inflight_blocks -= blocks_for(tokens, worker.info.block_size)
         self.router.registry.released(worker)
 
 

@@ -174,6 +174,38 @@ def test_a_prefill_slower_than_the_lease_keeps_its_reservation_by_heartbeats(eng
     _assert_at_rest(view)
 
 
+def test_at_high_concurrency_no_ce_is_admitted_beyond_its_kv_blocks(engines):
+    """120 requests at once of 7 prompt + 10 output tokens: 3 blocks of 8 each (17 tokens), 128 blocks
+    per CE. Counted in tokens the router would put 60 on a CE (180 blocks: preemptions); counted in
+    blocks at most 42 go to each, the rest wait, and no CE preempts any request."""
+    pe, ces, specs, _ = engines
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    prompts = [[5 + i % 60, 6 + i // 60, 7, 8, 9, 10, 11] for i in range(120)]  # no two alike
+    preemptions = {wid: ce.scheduler.num_preemptions for wid, ce in ces.items()}
+    peak: dict[str, int] = {}
+
+    async def body(router, cores):
+        async def watch():
+            while True:
+                for wid in ces:
+                    peak[wid] = max(peak.get(wid, 0), router.registry.workers[wid].inflight_blocks)
+                await asyncio.sleep(0.005)
+
+        watcher = asyncio.ensure_future(watch())
+        try:
+            return await asyncio.gather(*(_view(router, f"hc{i}", p, params) for i, p in enumerate(prompts)))
+        finally:
+            watcher.cancel()
+
+    got, view = _run(engines, Faults(), body)
+    assert all(finish == "length" and len(tokens) == 10 for tokens, _, finish in got)
+    num_blocks = ARGS["num_gpu_blocks"]
+    assert all(0 < peak[wid] <= num_blocks for wid in ces), peak
+    assert max(peak.values()) > num_blocks // 2, peak  # the CEs were filled, not left idle
+    assert {wid: ce.scheduler.num_preemptions for wid, ce in ces.items()} == preemptions
+    _assert_at_rest(view)
+
+
 @pytest.mark.parametrize("after", [20, 22])
 def test_a_break_inside_a_run_of_partial_characters_continues_with_the_same_tokens_and_text(engines, after):
     """The tiny model writes runs of bytes that are not whole characters here ("story 2"): a migration

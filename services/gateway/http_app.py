@@ -23,6 +23,7 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from services.common.errors import ErrorCode, ServiceError
+from services.common.grpc_util import whole_seconds
 from services.gateway import http_body, openapi, validation
 from services.gateway.core import Choice, GatewayCore, usage
 from services.gateway.event_streams import chat_events, completion_events
@@ -57,7 +58,7 @@ def build_app(core: GatewayCore, on_metrics=None, metrics_registry=None) -> Fast
 def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ServiceError)
     async def _service_error(request: Request, e: ServiceError):
-        headers = {"Retry-After": str(max(1, round(e.retry_after_s)))} if e.retry_after_s is not None else None
+        headers = {"Retry-After": str(whole_seconds(e.retry_after_s))} if e.retry_after_s is not None else None
         return JSONResponse(service_error_body(e), status_code=e.http_status, headers=headers)
 
     @app.exception_handler(StarletteHTTPException)
@@ -188,10 +189,15 @@ async def _respond(request, core, prompts, params, fmt, stream, include_usage, c
     # counted in now, while a status can still say 429; a stream lets go when its response is over
     work = core.admit(prompts, params)
     if stream:
+        try:  # the headers wait for the first delta: a refusal before it is a status (429/503, Retry-After)
+            deltas = await _started(request, core.generate(prompts, params, fmt.id, images))
+        except BaseException:
+            core.release(work)
+            raise
         if chat:
-            events = chat_events(core, prompts, params, fmt, include_usage, images)
+            events = chat_events(core, prompts, params, fmt, include_usage, images, deltas=deltas)
         else:
-            events = completion_events(core, prompts, params, fmt, include_usage)
+            events = completion_events(core, prompts, params, fmt, include_usage, deltas=deltas)
         return _AdmittedStream(core, work, events)
     try:
         choices = await _until_disconnect(request, _collect(core, prompts, params, fmt.id, images))
@@ -206,6 +212,33 @@ async def _collect(core, prompts, params, request_id, images=()) -> list[Choice]
     async for choice, _ in core.generate(prompts, params, request_id, images):
         choices[choice.index] = choice
     return list(choices.values())
+
+
+async def _started(request: Request, deltas: AsyncIterator) -> AsyncIterator:
+    """`deltas` with its first item already read (raises what it raised before any): a stream
+    refused before its first byte (no room, a pool empty, the deadline) is answered with a status
+    and `Retry-After`, not a 200 whose only event is the error."""
+    try:
+        first = await _until_disconnect(request, _next(deltas))
+    except StopAsyncIteration:
+        return deltas
+    except BaseException:
+        await deltas.aclose()
+        raise
+    return _after(first, deltas)
+
+
+async def _next(deltas: AsyncIterator):
+    return await deltas.__anext__()
+
+
+async def _after(first, rest: AsyncIterator) -> AsyncIterator:
+    try:
+        yield first
+        async for item in rest:
+            yield item
+    finally:
+        await rest.aclose()
 
 
 async def _until_disconnect(request: Request, coro):

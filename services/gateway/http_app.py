@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -25,7 +25,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from services.common.errors import ErrorCode, ServiceError
 from services.common.grpc_util import whole_seconds
 from services.gateway import http_body, openapi, validation
-from services.gateway.core import Choice, GatewayCore, usage
+from services.gateway.core import INLINE_BODY_BYTES, Choice, GatewayCore, usage
+from services.gateway.event_response import EventStream, EventStreamApp
 from services.gateway.event_streams import chat_events, completion_events
 from services.gateway.protocol import ChatCompletionRequest, CompletionRequest
 from services.gateway.responses import Formatter, error_body, service_error_body
@@ -38,7 +39,7 @@ _DISCONNECT_POLL_S = 0.5
 def build_app(core: GatewayCore, on_metrics=None, metrics_registry=None) -> FastAPI:
     """`on_metrics`: an async callable run before each /metrics scrape; `metrics_registry`: what
     /metrics serves (default: this process's registry; with several API processes, all of theirs)."""
-    app = FastAPI(title="DeepInfer Cluster", docs_url=None, redoc_url=None)
+    app = EventStreamApp(title="DeepInfer Cluster", docs_url=None, redoc_url=None)
     app.state.core = core
     _add_error_handlers(app)
     _add_info_routes(app, core, on_metrics, metrics_registry or REGISTRY)
@@ -154,7 +155,7 @@ async def _parse(request: Request, core: GatewayCore, model: type[BaseModel], un
     core.check_api_key(request.headers.get("authorization"))
     http_body.check_content_type(request)
     raw = await http_body.read(request, core.config.max_request_bytes)
-    body = await core.offload(http_body.parse, raw, model, unsupported)
+    body = await core.offload(http_body.parse, raw, model, unsupported, small=len(raw) <= INLINE_BODY_BYTES)
     validation.check_model(body.model, core.config.model_name)
     return body
 
@@ -198,7 +199,7 @@ async def _respond(request, core, prompts, params, fmt, stream, include_usage, c
             events = chat_events(core, prompts, params, fmt, include_usage, images, deltas=deltas)
         else:
             events = completion_events(core, prompts, params, fmt, include_usage, deltas=deltas)
-        return _AdmittedStream(core, work, events)
+        return EventStream(events, on_end=lambda: core.release(work))
     try:
         choices = await _until_disconnect(request, _collect(core, prompts, params, fmt.id, images))
     finally:
@@ -255,19 +256,3 @@ async def _until_disconnect(request: Request, coro):
     finally:
         if not task.done():
             task.cancel()
-
-
-class _AdmittedStream(StreamingResponse):
-    """An SSE stream admitted before it starts: it lets go of its place once the response is over,
-    whether the stream ran to its end, failed, or never started (the client left before it did)."""
-
-    def __init__(self, core: GatewayCore, work, events: AsyncIterator[bytes]):
-        super().__init__(events, media_type="text/event-stream")
-        self._core = core
-        self._work = work
-
-    async def __call__(self, scope, receive, send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            self._core.release(self._work)

@@ -188,8 +188,13 @@ class GrpcWorkerClient:
         except BaseException:
             self._drop(request_id)
             raise
-        async for msg in self._relay(request_id, inbox, deadline):
-            yield msg
+        # `_relay` inline: one generator fewer for each token to pass through
+        inbox.expire_at(asyncio.get_running_loop(), deadline, self.name)
+        try:
+            async for delta in inbox.deltas():
+                yield delta
+        finally:
+            self._drop(request_id, inbox)
 
     # ---- the subscription ----------------------------------------------------------------------
     async def _open_inbox(self, request_id: str, timeout: float) -> Optional[RequestInbox]:

@@ -103,6 +103,10 @@ class _Server:
     def abort(self, request_id):
         self.engine.abort_request(request_id)
 
+    def renew_reservation(self, request_id, lease_s):
+        """CE: a heartbeat for a reservation; its new end (wall clock), 0.0 when not waiting."""
+        return self.engine.renew_reservation(request_id, lease_s)
+
     def release_unused(self, request_id):
         """CE: end a reservation no PE was given (its blocks are free at once)."""
         self.engine.release_unused(request_id)

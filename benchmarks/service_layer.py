@@ -53,6 +53,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks import service_layer_report as report  # noqa: E402
 from benchmarks.service_layer_cluster import Cluster, LoadOptions, run_level  # noqa: E402
+from benchmarks.service_layer_head import PROFILE_HEAD_ENV  # noqa: E402
 from benchmarks.service_layer_overhead import measure_overhead  # noqa: E402
 from benchmarks.service_layer_procs import Children  # noqa: E402
 
@@ -77,6 +78,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--pd", action="store_true", help="prefill + decode pools (token-source hand-off) instead")
     p.add_argument("--quick", action="store_true", help="short windows and few requests (tests)")
     p.add_argument("--json", default=None, help="write every number here")
+    p.add_argument(
+        "--profile-head", default=None, help="run the head under cProfile and write its stats here (slows it down)"
+    )
     args = p.parse_args(argv)
     if args.quick:
         args.warmup_s, args.window_s = min(args.warmup_s, 0.5), min(args.window_s, 1.0)
@@ -98,6 +102,8 @@ def run(args: argparse.Namespace) -> dict:
         pd=args.pd,
         api_workers=args.api_workers,
     )
+    if args.profile_head:
+        os.environ[PROFILE_HEAD_ENV] = os.path.abspath(args.profile_head)
     with tempfile.TemporaryDirectory(prefix="service-layer-") as tmp:
         children = Children(tmp)
         try:

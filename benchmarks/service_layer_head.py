@@ -55,6 +55,20 @@ async def serve(args: argparse.Namespace) -> None:
     await loop.run_in_executor(None, sys.stdin.read)  # until the benchmark closes our stdin
 
 
+PROFILE_HEAD_ENV = "DEEPINFER_BENCH_PROFILE_HEAD"
+"""A path: the head runs under cProfile and writes its stats there when it stops (`--profile-head`)."""
+
+
+def _profiler():
+    if not os.environ.get(PROFILE_HEAD_ENV):
+        return None
+    import cProfile
+
+    profile = cProfile.Profile()  # wall time: CPU-time timers cost a system call per event here
+    profile.enable()
+    return profile
+
+
 def main() -> None:
     prepare_child()
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -69,11 +83,16 @@ def main() -> None:
         from services.common.grpc_util import install_uvloop
 
         install_uvloop()
+        profile = _profiler()
         try:
             asyncio.run(serve(args))
         except Exception as e:
             reply({"error": f"{type(e).__name__}: {e}"})
             raise
+        finally:
+            if profile is not None:
+                profile.disable()
+                profile.dump_stats(os.environ[PROFILE_HEAD_ENV])
     os._exit(0)  # the servers need no orderly stop: the process ends with the benchmark level
 
 

@@ -138,12 +138,19 @@ def main() -> int:
     p.add_argument("--minutes", type=float, default=3.0)
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--warmup-s", type=float, default=30.0)
+    p.add_argument(
+        "--no-kv-store",
+        action="store_true",
+        help="start the cluster without its KV store: a CE's host pool (L2, 256 MiB) takes resident memory "
+        "as it fills with saved blocks, which reads as growth until it is full",
+    )
     args = p.parse_args()
     serve = None
     if args.url is None:
         from tests.helpers.cluster import SMALL_ENGINE, ServeProcess
 
-        serve = ServeProcess(*SMALL_ENGINE, "--max-num-seqs", str(max(256, args.streams)))
+        store = ["--no-kv-store"] if args.no_kv_store else []
+        serve = ServeProcess(*SMALL_ENGINE, "--max-num-seqs", str(max(256, args.streams)), *store)
         args.url, args.grpc = serve.url, serve.grpc_address
     try:
         head_pid = serve.proc.pid if serve else 0

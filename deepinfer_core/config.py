@@ -238,6 +238,10 @@ class PDConfig:
     """How long a PE waits for one request's KV writes before failing its hand-off."""
     lease_s: float = 130.0
     """A CE reservation's lease: longer than a prefill may take, so a slow PE does not lose it."""
+    renewed_lease_s: float = 10.0
+    """The lease the router reserves with and renews (a heartbeat every third of it, CE then PE)
+    for as long as the prefill runs: a long prompt keeps its reservation, and one whose router or
+    PE died unseen is let go within this plus the grace. `lease_s` is for reservations nobody renews."""
     lease_grace_s: float = 35.0
     """Quarantine of an expired or aborted lease's blocks (a PE may still be writing them)."""
     prefill_timeout_s: float = 120.0
@@ -252,7 +256,7 @@ class PDConfig:
     def __post_init__(self) -> None:
         if self.local_prefill_tokens < 0:
             raise ValueError(f"local_prefill_tokens must be >= 0, got {self.local_prefill_tokens}")
-        for name in ("transfer_timeout_s", "lease_s", "lease_grace_s", "prefill_timeout_s"):
+        for name in ("transfer_timeout_s", "lease_s", "renewed_lease_s", "lease_grace_s", "prefill_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.lease_grace_s <= self.transfer_timeout_s:

@@ -71,8 +71,14 @@ class SamplingParams:
         return self.temperature < GREEDY_EPS
 
     def clone(self) -> SamplingParams:
-        """A deep copy (e.g. for the n > 1 children of one request)."""
-        return copy.deepcopy(self)
+        """A deep copy (e.g. for the n > 1 children of one request). Every field is a scalar but the
+        two lists, so they alone are copied: `copy.deepcopy` took longer than routing the request."""
+        p = copy.copy(self)
+        if isinstance(p.stop, list):
+            p.stop = list(p.stop)
+        if p.stop_token_ids is not None:
+            p.stop_token_ids = list(p.stop_token_ids)
+        return p
 
     def _normalise(self) -> None:
         if self.top_k == -1:

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from proto import common_pb2 as proto_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x12proto/worker.proto\x12\x0c\x64\x65\x65pinfer.v1\x1a\x12proto/common.proto\"\xe2\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12,\n\x06params\x18\x03 \x01(\x0b\x32\x1c.deepinfer.v1.SamplingParams\x12)\n\tkv_target\x18\x05 \x01(\x0b\x32\x16.deepinfer.v1.KVTarget\x12\x0e\n\x06images\x18\x06 \x03(\x0c\x12\x33\n\x0cimage_embeds\x18\x07 \x03(\x0b\x32\x1d.deepinfer.v1.EmbeddingHandleJ\x04\x08\x04\x10\x05\"\xa9\x01\n\x0cPrefillReply\x12(\n\x05\x66irst\x18\x01 \x01(\x0b\x32\x19.deepinfer.v1.SampleDelta\x12\x10\n\x08kv_bytes\x18\x02 \x01(\x04\x12\x12\n\nkv_seconds\x18\x03 \x01(\x01\x12\x15\n\rqueue_seconds\x18\x04 \x01(\x01\x12\x1a\n\x12kv_exposed_seconds\x18\x05 \x01(\x01\x12\x16\n\x0e\x65mbeds_seconds\x18\x06 \x01(\x01\"\x94\x01\n\x0eReserveRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12,\n\x06params\x18\x03 \x01(\x0b\x32\x1c.deepinfer.v1.SamplingParams\x12\x0f\n\x07lease_s\x18\x04 \x01(\x01\x12\x15\n\rsubscriber_id\x18\x05 \x01(\t\"?\n\x0cReserveReply\x12)\n\tkv_target\x18\x02 \x01(\x0b\x32\x16.deepinfer.v1.KVTargetJ\x04\x08\x01\x10\x02\"#\n\rStreamRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x91\x01\n\x0cGenerateWork\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12,\n\x06params\x18\x03 \x01(\x0b\x32\x1c.deepinfer.v1.SamplingParams\x12\x15\n\rsubscriber_id\x18\x04 \x01(\t\x12\x0e\n\x06images\x18\x05 \x03(\x0c\"\r\n\x0bSubmitReply\")\n\x10SubscribeRequest\x12\x15\n\rsubscriber_id\x18\x01 \x01(\t\"7\n\nDeltaBatch\x12)\n\x05items\x18\x01 \x03(\x0b\x32\x1a.deepinfer.v1.RequestDelta\"L\n\x0cRequestDelta\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12(\n\x05\x64\x65lta\x18\x02 \x01(\x0b\x32\x19.deepinfer.v1.SampleDelta\"2\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06unused\x18\x02 \x01(\x08\"\x1b\n\nAbortReply\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"h\n\x12\x43onnectPeerRequest\x12\x12\n\nagent_name\x18\x01 \x01(\t\x12\x16\n\x0e\x61gent_metadata\x18\x02 \x01(\x0c\x12&\n\x06region\x18\x03 \x01(\x0b\x32\x16.deepinfer.v1.KVRegion\"\x12\n\x10\x43onnectPeerReply\"+\n\x15\x44isconnectPeerRequest\x12\x12\n\nagent_name\x18\x01 \x01(\t\"\x15\n\x13\x44isconnectPeerReply\"3\n\rEncodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06images\x18\x02 \x03(\x0c\"I\n\x0b\x45ncodeReply\x12.\n\x07handles\x18\x03 \x03(\x0b\x32\x1d.deepinfer.v1.EmbeddingHandleJ\x04\x08\x01\x10\x02J\x04\x08\x02\x10\x03\"\xdd\x01\n\x0f\x45mbeddingHandle\x12\x12\n\nagent_name\x18\x01 \x01(\t\x12\x16\n\x0e\x61gent_metadata\x18\x02 \x01(\x0c\x12\x0c\n\x04\x61\x64\x64r\x18\x03 \x01(\x04\x12\x11\n\tnum_bytes\x18\x04 \x01(\x04\x12\r\n\x05shape\x18\x05 \x03(\r\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x14\n\x0c\x63ontent_hash\x18\x07 \x01(\x03\x12\x10\n\x08lease_id\x18\x08 \x01(\x04\x12\x12\n\nexpires_at\x18\t \x01(\x01\x12\x10\n\x08mem_type\x18\n \x01(\t\x12\x11\n\tdevice_id\x18\x0b \x01(\r\"#\n\x0eReleaseRequest\x12\x11\n\tlease_ids\x18\x01 \x03(\x04\" \n\x0cReleaseReply\x12\x10\n\x08released\x18\x01 \x01(\r\"\x0f\n\rHealthRequest\")\n\x0bHealthReply\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\x0e\n\x06\x64\x65tail\x18\x02 \x01(\t\"\x0e\n\x0c\x44rainRequest\"\x1e\n\nDrainReply\x12\x10\n\x08requests\x18\x01 \x01(\r2\xb8\x02\n\x07Prefill\x12\x43\n\x07Prefill\x12\x1c.deepinfer.v1.PrefillRequest\x1a\x1a.deepinfer.v1.PrefillReply\x12=\n\x05\x41\x62ort\x12\x1a.deepinfer.v1.AbortRequest\x1a\x18.deepinfer.v1.AbortReply\x12O\n\x0b\x43onnectPeer\x12 .deepinfer.v1.ConnectPeerRequest\x1a\x1e.deepinfer.v1.ConnectPeerReply\x12X\n\x0e\x44isconnectPeer\x12#.deepinfer.v1.DisconnectPeerRequest\x1a!.deepinfer.v1.DisconnectPeerReply2\x9f\x03\n\x06\x44\x65\x63ode\x12\x43\n\x07Reserve\x12\x1c.deepinfer.v1.ReserveRequest\x1a\x1a.deepinfer.v1.ReserveReply\x12\x42\n\x06Stream\x12\x1b.deepinfer.v1.StreamRequest\x1a\x19.deepinfer.v1.SampleDelta0\x01\x12=\n\x05\x41\x62ort\x12\x1a.deepinfer.v1.AbortRequest\x1a\x18.deepinfer.v1.AbortReply\x12\x43\n\x08Generate\x12\x1a.deepinfer.v1.GenerateWork\x1a\x19.deepinfer.v1.SampleDelta0\x01\x12G\n\tSubscribe\x12\x1e.deepinfer.v1.SubscribeRequest\x1a\x18.deepinfer.v1.DeltaBatch0\x01\x12?\n\x06Submit\x12\x1a.deepinfer.v1.GenerateWork\x1a\x19.deepinfer.v1.SubmitReply2\x90\x01\n\x07\x45ncoder\x12@\n\x06\x45ncode\x12\x1b.deepinfer.v1.EncodeRequest\x1a\x19.deepinfer.v1.EncodeReply\x12\x43\n\x07Release\x12\x1c.deepinfer.v1.ReleaseRequest\x1a\x1a.deepinfer.v1.ReleaseReply2\xc9\x01\n\x06Worker\x12>\n\x05Stats\x12\x1b.deepinfer.v1.StatusRequest\x1a\x18.deepinfer.v1.WorkerLoad\x12@\n\x06Health\x12\x1b.deepinfer.v1.HealthRequest\x1a\x19.deepinfer.v1.HealthReply\x12=\n\x05\x44rain\x12\x1a.deepinfer.v1.DrainRequest\x1a\x18.deepinfer.v1.DrainReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x12proto/worker.proto\x12\x0c\x64\x65\x65pinfer.v1\x1a\x12proto/common.proto\"\xe2\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12,\n\x06params\x18\x03 \x01(\x0b\x32\x1c.deepinfer.v1.SamplingParams\x12)\n\tkv_target\x18\x05 \x01(\x0b\x32\x16.deepinfer.v1.KVTarget\x12\x0e\n\x06images\x18\x06 \x03(\x0c\x12\x33\n\x0cimage_embeds\x18\x07 \x03(\x0b\x32\x1d.deepinfer.v1.EmbeddingHandleJ\x04\x08\x04\x10\x05\"\xa9\x01\n\x0cPrefillReply\x12(\n\x05\x66irst\x18\x01 \x01(\x0b\x32\x19.deepinfer.v1.SampleDelta\x12\x10\n\x08kv_bytes\x18\x02 \x01(\x04\x12\x12\n\nkv_seconds\x18\x03 \x01(\x01\x12\x15\n\rqueue_seconds\x18\x04 \x01(\x01\x12\x1a\n\x12kv_exposed_seconds\x18\x05 \x01(\x01\x12\x16\n\x0e\x65mbeds_seconds\x18\x06 \x01(\x01\"\x94\x01\n\x0eReserveRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12,\n\x06params\x18\x03 \x01(\x0b\x32\x1c.deepinfer.v1.SamplingParams\x12\x0f\n\x07lease_s\x18\x04 \x01(\x01\x12\x15\n\rsubscriber_id\x18\x05 \x01(\t\"?\n\x0cReserveReply\x12)\n\tkv_target\x18\x02 \x01(\x0b\x32\x16.deepinfer.v1.KVTargetJ\x04\x08\x01\x10\x02\"#\n\rStreamRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x91\x01\n\x0cGenerateWork\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12,\n\x06params\x18\x03 \x01(\x0b\x32\x1c.deepinfer.v1.SamplingParams\x12\x15\n\rsubscriber_id\x18\x04 \x01(\t\x12\x0e\n\x06images\x18\x05 \x03(\x0c\"\r\n\x0bSubmitReply\")\n\x10SubscribeRequest\x12\x15\n\rsubscriber_id\x18\x01 \x01(\t\"7\n\nDeltaBatch\x12)\n\x05items\x18\x01 \x03(\x0b\x32\x1a.deepinfer.v1.RequestDelta\"L\n\x0cRequestDelta\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12(\n\x05\x64\x65lta\x18\x02 \x01(\x0b\x32\x19.deepinfer.v1.SampleDelta\"2\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06unused\x18\x02 \x01(\x08\"\x1b\n\nAbortReply\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"G\n\x0cLeaseRenewal\x12\x12\n\nrequest_id\x18\x46 \x01(\t\x12\x0f\n\x07lease_s\x18G \x01(\x01\x12\x12\n\nexpires_at\x18H \x01(\x01\"6\n\x11LeaseRenewalReply\x12\r\n\x05\x66ound\x18\x46 \x01(\x08\x12\x12\n\nexpires_at\x18G \x01(\x01\"h\n\x12\x43onnectPeerRequest\x12\x12\n\nagent_name\x18\x01 \x01(\t\x12\x16\n\x0e\x61gent_metadata\x18\x02 \x01(\x0c\x12&\n\x06region\x18\x03 \x01(\x0b\x32\x16.deepinfer.v1.KVRegion\"\x12\n\x10\x43onnectPeerReply\"+\n\x15\x44isconnectPeerRequest\x12\x12\n\nagent_name\x18\x01 \x01(\t\"\x15\n\x13\x44isconnectPeerReply\"3\n\rEncodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06images\x18\x02 \x03(\x0c\"I\n\x0b\x45ncodeReply\x12.\n\x07handles\x18\x03 \x03(\x0b\x32\x1d.deepinfer.v1.EmbeddingHandleJ\x04\x08\x01\x10\x02J\x04\x08\x02\x10\x03\"\xdd\x01\n\x0f\x45mbeddingHandle\x12\x12\n\nagent_name\x18\x01 \x01(\t\x12\x16\n\x0e\x61gent_metadata\x18\x02 \x01(\x0c\x12\x0c\n\x04\x61\x64\x64r\x18\x03 \x01(\x04\x12\x11\n\tnum_bytes\x18\x04 \x01(\x04\x12\r\n\x05shape\x18\x05 \x03(\r\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x14\n\x0c\x63ontent_hash\x18\x07 \x01(\x03\x12\x10\n\x08lease_id\x18\x08 \x01(\x04\x12\x12\n\nexpires_at\x18\t \x01(\x01\x12\x10\n\x08mem_type\x18\n \x01(\t\x12\x11\n\tdevice_id\x18\x0b \x01(\r\"#\n\x0eReleaseRequest\x12\x11\n\tlease_ids\x18\x01 \x03(\x04\" \n\x0cReleaseReply\x12\x10\n\x08released\x18\x01 \x01(\r\"\x0f\n\rHealthRequest\")\n\x0bHealthReply\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\x0e\n\x06\x64\x65tail\x18\x02 \x01(\t\"\x0e\n\x0c\x44rainRequest\"\x1e\n\nDrainReply\x12\x10\n\x08requests\x18\x01 \x01(\r2\x83\x03\n\x07Prefill\x12\x43\n\x07Prefill\x12\x1c.deepinfer.v1.PrefillRequest\x1a\x1a.deepinfer.v1.PrefillReply\x12=\n\x05\x41\x62ort\x12\x1a.deepinfer.v1.AbortRequest\x1a\x18.deepinfer.v1.AbortReply\x12O\n\x0b\x43onnectPeer\x12 .deepinfer.v1.ConnectPeerRequest\x1a\x1e.deepinfer.v1.ConnectPeerReply\x12X\n\x0e\x44isconnectPeer\x12#.deepinfer.v1.DisconnectPeerRequest\x1a!.deepinfer.v1.DisconnectPeerReply\x12I\n\nRenewLease\x12\x1a.deepinfer.v1.LeaseRenewal\x1a\x1f.deepinfer.v1.LeaseRenewalReply2\xea\x03\n\x06\x44\x65\x63ode\x12\x43\n\x07Reserve\x12\x1c.deepinfer.v1.ReserveRequest\x1a\x1a.deepinfer.v1.ReserveReply\x12\x42\n\x06Stream\x12\x1b.deepinfer.v1.StreamRequest\x1a\x19.deepinfer.v1.SampleDelta0\x01\x12=\n\x05\x41\x62ort\x12\x1a.deepinfer.v1.AbortRequest\x1a\x18.deepinfer.v1.AbortReply\x12\x43\n\x08Generate\x12\x1a.deepinfer.v1.GenerateWork\x1a\x19.deepinfer.v1.SampleDelta0\x01\x12G\n\tSubscribe\x12\x1e.deepinfer.v1.SubscribeRequest\x1a\x18.deepinfer.v1.DeltaBatch0\x01\x12?\n\x06Submit\x12\x1a.deepinfer.v1.GenerateWork\x1a\x19.deepinfer.v1.SubmitReply\x12I\n\nRenewLease\x12\x1a.deepinfer.v1.LeaseRenewal\x1a\x1f.deepinfer.v1.LeaseRenewalReply2\x90\x01\n\x07\x45ncoder\x12@\n\x06\x45ncode\x12\x1b.deepinfer.v1.EncodeRequest\x1a\x19.deepinfer.v1.EncodeReply\x12\x43\n\x07Release\x12\x1c.deepinfer.v1.ReleaseRequest\x1a\x1a.deepinfer.v1.ReleaseReply2\xc9\x01\n\x06Worker\x12>\n\x05Stats\x12\x1b.deepinfer.v1.StatusRequest\x1a\x18.deepinfer.v1.WorkerLoad\x12@\n\x06Health\x12\x1b.deepinfer.v1.HealthRequest\x1a\x19.deepinfer.v1.HealthReply\x12=\n\x05\x44rain\x12\x1a.deepinfer.v1.DrainRequest\x1a\x18.deepinfer.v1.DrainReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -56,38 +56,42 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ABORTREQUEST']._serialized_end=1101
   _globals['_ABORTREPLY']._serialized_start=1103
   _globals['_ABORTREPLY']._serialized_end=1130
-  _globals['_CONNECTPEERREQUEST']._serialized_start=1132
-  _globals['_CONNECTPEERREQUEST']._serialized_end=1236
-  _globals['_CONNECTPEERREPLY']._serialized_start=1238
-  _globals['_CONNECTPEERREPLY']._serialized_end=1256
-  _globals['_DISCONNECTPEERREQUEST']._serialized_start=1258
-  _globals['_DISCONNECTPEERREQUEST']._serialized_end=1301
-  _globals['_DISCONNECTPEERREPLY']._serialized_start=1303
-  _globals['_DISCONNECTPEERREPLY']._serialized_end=1324
-  _globals['_ENCODEREQUEST']._serialized_start=1326
-  _globals['_ENCODEREQUEST']._serialized_end=1377
-  _globals['_ENCODEREPLY']._serialized_start=1379
-  _globals['_ENCODEREPLY']._serialized_end=1452
-  _globals['_EMBEDDINGHANDLE']._serialized_start=1455
-  _globals['_EMBEDDINGHANDLE']._serialized_end=1676
-  _globals['_RELEASEREQUEST']._serialized_start=1678
-  _globals['_RELEASEREQUEST']._serialized_end=1713
-  _globals['_RELEASEREPLY']._serialized_start=1715
-  _globals['_RELEASEREPLY']._serialized_end=1747
-  _globals['_HEALTHREQUEST']._serialized_start=1749
-  _globals['_HEALTHREQUEST']._serialized_end=1764
-  _globals['_HEALTHREPLY']._serialized_start=1766
-  _globals['_HEALTHREPLY']._serialized_end=1807
-  _globals['_DRAINREQUEST']._serialized_start=1809
-  _globals['_DRAINREQUEST']._serialized_end=1823
-  _globals['_DRAINREPLY']._serialized_start=1825
-  _globals['_DRAINREPLY']._serialized_end=1855
-  _globals['_PREFILL']._serialized_start=1858
-  _globals['_PREFILL']._serialized_end=2170
-  _globals['_DECODE']._serialized_start=2173
-  _globals['_DECODE']._serialized_end=2588
-  _globals['_ENCODER']._serialized_start=2591
-  _globals['_ENCODER']._serialized_end=2735
-  _globals['_WORKER']._serialized_start=2738
-  _globals['_WORKER']._serialized_end=2939
+  _globals['_LEASERENEWAL']._serialized_start=1132
+  _globals['_LEASERENEWAL']._serialized_end=1203
+  _globals['_LEASERENEWALREPLY']._serialized_start=1205
+  _globals['_LEASERENEWALREPLY']._serialized_end=1259
+  _globals['_CONNECTPEERREQUEST']._serialized_start=1261
+  _globals['_CONNECTPEERREQUEST']._serialized_end=1365
+  _globals['_CONNECTPEERREPLY']._serialized_start=1367
+  _globals['_CONNECTPEERREPLY']._serialized_end=1385
+  _globals['_DISCONNECTPEERREQUEST']._serialized_start=1387
+  _globals['_DISCONNECTPEERREQUEST']._serialized_end=1430
+  _globals['_DISCONNECTPEERREPLY']._serialized_start=1432
+  _globals['_DISCONNECTPEERREPLY']._serialized_end=1453
+  _globals['_ENCODEREQUEST']._serialized_start=1455
+  _globals['_ENCODEREQUEST']._serialized_end=1506
+  _globals['_ENCODEREPLY']._serialized_start=1508
+  _globals['_ENCODEREPLY']._serialized_end=1581
+  _globals['_EMBEDDINGHANDLE']._serialized_start=1584
+  _globals['_EMBEDDINGHANDLE']._serialized_end=1805
+  _globals['_RELEASEREQUEST']._serialized_start=1807
+  _globals['_RELEASEREQUEST']._serialized_end=1842
+  _globals['_RELEASEREPLY']._serialized_start=1844
+  _globals['_RELEASEREPLY']._serialized_end=1876
+  _globals['_HEALTHREQUEST']._serialized_start=1878
+  _globals['_HEALTHREQUEST']._serialized_end=1893
+  _globals['_HEALTHREPLY']._serialized_start=1895
+  _globals['_HEALTHREPLY']._serialized_end=1936
+  _globals['_DRAINREQUEST']._serialized_start=1938
+  _globals['_DRAINREQUEST']._serialized_end=1952
+  _globals['_DRAINREPLY']._serialized_start=1954
+  _globals['_DRAINREPLY']._serialized_end=1984
+  _globals['_PREFILL']._serialized_start=1987
+  _globals['_PREFILL']._serialized_end=2374
+  _globals['_DECODE']._serialized_start=2377
+  _globals['_DECODE']._serialized_end=2867
+  _globals['_ENCODER']._serialized_start=2870
+  _globals['_ENCODER']._serialized_end=3014
+  _globals['_WORKER']._serialized_start=3017
+  _globals['_WORKER']._serialized_end=3218
 # @@protoc_insertion_point(module_scope)

@@ -117,6 +117,24 @@ class AbortReply(_message.Message):
     found: bool
     def __init__(self, found: _Optional[bool] = ...) -> None: ...
 
+class LeaseRenewal(_message.Message):
+    __slots__ = ("request_id", "lease_s", "expires_at")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_S_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_AT_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    lease_s: float
+    expires_at: float
+    def __init__(self, request_id: _Optional[str] = ..., lease_s: _Optional[float] = ..., expires_at: _Optional[float] = ...) -> None: ...
+
+class LeaseRenewalReply(_message.Message):
+    __slots__ = ("found", "expires_at")
+    FOUND_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_AT_FIELD_NUMBER: _ClassVar[int]
+    found: bool
+    expires_at: float
+    def __init__(self, found: _Optional[bool] = ..., expires_at: _Optional[float] = ...) -> None: ...
+
 class ConnectPeerRequest(_message.Message):
     __slots__ = ("agent_name", "agent_metadata", "region")
     AGENT_NAME_FIELD_NUMBER: _ClassVar[int]

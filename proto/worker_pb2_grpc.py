@@ -56,6 +56,11 @@ class PrefillStub:
                 request_serializer=proto_dot_worker__pb2.DisconnectPeerRequest.SerializeToString,
                 response_deserializer=proto_dot_worker__pb2.DisconnectPeerReply.FromString,
                 _registered_method=True)
+        self.RenewLease = channel.unary_unary(
+                '/deepinfer.v1.Prefill/RenewLease',
+                request_serializer=proto_dot_worker__pb2.LeaseRenewal.SerializeToString,
+                response_deserializer=proto_dot_worker__pb2.LeaseRenewalReply.FromString,
+                _registered_method=True)
 
 
 class PrefillServicer:
@@ -94,6 +99,14 @@ class PrefillServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RenewLease(self, request, context):
+        """The CE renewed the reservation of a prefill here until `expires_at`: its writes may be posted
+        until then. `found` false: no prefill of that request is here (not yet arrived, or done).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PrefillServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -116,6 +129,11 @@ def add_PrefillServicer_to_server(servicer, server):
                     servicer.DisconnectPeer,
                     request_deserializer=proto_dot_worker__pb2.DisconnectPeerRequest.FromString,
                     response_serializer=proto_dot_worker__pb2.DisconnectPeerReply.SerializeToString,
+            ),
+            'RenewLease': grpc.unary_unary_rpc_method_handler(
+                    servicer.RenewLease,
+                    request_deserializer=proto_dot_worker__pb2.LeaseRenewal.FromString,
+                    response_serializer=proto_dot_worker__pb2.LeaseRenewalReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -237,6 +255,33 @@ class Prefill:
             metadata,
             _registered_method=True)
 
+    @staticmethod
+    def RenewLease(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/deepinfer.v1.Prefill/RenewLease',
+            proto_dot_worker__pb2.LeaseRenewal.SerializeToString,
+            proto_dot_worker__pb2.LeaseRenewalReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
 
 class DecodeStub:
     """Decode engines (COMPLETION); NORMAL engines answer Generate.
@@ -277,6 +322,11 @@ class DecodeStub:
                 '/deepinfer.v1.Decode/Submit',
                 request_serializer=proto_dot_worker__pb2.GenerateWork.SerializeToString,
                 response_deserializer=proto_dot_worker__pb2.SubmitReply.FromString,
+                _registered_method=True)
+        self.RenewLease = channel.unary_unary(
+                '/deepinfer.v1.Decode/RenewLease',
+                request_serializer=proto_dot_worker__pb2.LeaseRenewal.SerializeToString,
+                response_deserializer=proto_dot_worker__pb2.LeaseRenewalReply.FromString,
                 _registered_method=True)
 
 
@@ -329,6 +379,14 @@ class DecodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RenewLease(self, request, context):
+        """A heartbeat for a reservation whose prefill runs: its lease is extended to `lease_s` from now.
+        The reply's `expires_at` (0: the reservation is no longer waiting) is what its PE is told.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DecodeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -361,6 +419,11 @@ def add_DecodeServicer_to_server(servicer, server):
                     servicer.Submit,
                     request_deserializer=proto_dot_worker__pb2.GenerateWork.FromString,
                     response_serializer=proto_dot_worker__pb2.SubmitReply.SerializeToString,
+            ),
+            'RenewLease': grpc.unary_unary_rpc_method_handler(
+                    servicer.RenewLease,
+                    request_deserializer=proto_dot_worker__pb2.LeaseRenewal.FromString,
+                    response_serializer=proto_dot_worker__pb2.LeaseRenewalReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -526,6 +589,33 @@ class Decode:
             '/deepinfer.v1.Decode/Submit',
             proto_dot_worker__pb2.GenerateWork.SerializeToString,
             proto_dot_worker__pb2.SubmitReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RenewLease(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/deepinfer.v1.Decode/RenewLease',
+            proto_dot_worker__pb2.LeaseRenewal.SerializeToString,
+            proto_dot_worker__pb2.LeaseRenewalReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -23,6 +23,8 @@ class EngineLoad:
     """Requests the engine still holds in any form (scheduled, reserved, or in a hand-off)."""
     reservations: int = 0
     """CE: KV reservations waiting for their hand-off."""
+    fenced_reservations: int = 0
+    """CE: reservations that ended early whose blocks are fenced (a PE may still write them)."""
     prefix_queries: int = 0
     prefix_hits: int = 0
     kv_transfer_bytes: int = 0

@@ -5,7 +5,9 @@ for prompt + 1 tokens and returns a `KVTarget`. The PE writes the KV and then no
 `poll_handoffs()` reads those notices: the first token is appended, the sequence has
 `num_cached_tokens == len - 1` and enters `prompted` (SPEC §3) — pure decode from here.
 A reservation is a lease: if no notice arrives before its deadline the request ends with
-an error. Its blocks are not reused at once: a PE may still be writing into them, so they
+an error. Whoever waits on the prefill renews it (`renew_reservation`, a heartbeat) while the
+PE works, and the PE is told the new end (it posts no write past it): the lease itself can
+be short, so a reservation whose PE or router died is let go soon. Its blocks are not reused at once: a PE may still be writing into them, so they
 stay quarantined until that PE's notice arrives (the write is over) or a grace period
 (longer than any PE may write past the deadline) has passed. Rejection happens before
 enqueue, so nothing in the running scheduler is ever rolled back.
@@ -44,6 +46,12 @@ from deepinfer_core.transfer.messages import HandoffNotice, KVTarget
 from deepinfer_core.transfer.nixl_agent import NixlKVAgent
 
 logger = logging.getLogger(__name__)
+
+
+WRITER_GONE_GRACE_S = 1.0
+"""A fenced reservation whose writer is known to be gone (`release_unused`) is freed this long
+after: a write it sent just before dying may still sit in this engine's transport, applied when
+the engine next makes progress (UCX over TCP), well within it."""
 
 
 @dataclass
@@ -125,6 +133,17 @@ class CompletionEngine(LLMEngine):
             layout=self.layout.describe(),
         )
 
+    def renew_reservation(self, request_id: str, lease_s: float) -> float:
+        """Extend a waiting reservation's lease to `lease_s` from now (never shortened); returns its
+        new end as wall-clock time (what a PE compares its clock with), 0.0 when the request holds
+        no waiting reservation (handed off, expired or aborted: nothing to renew)."""
+        reservation = self.reservations.get(request_id)
+        if reservation is None:
+            return 0.0
+        now = time.monotonic()
+        reservation.deadline = max(reservation.deadline, now + lease_s)
+        return time.time() + (reservation.deadline - now)
+
     def add_local_prefill(
         self, request_id: str, params: Optional[SamplingParams] = None, prompt_token_ids: Optional[list[int]] = None
     ) -> Sequence:
@@ -187,6 +206,7 @@ class CompletionEngine(LLMEngine):
         load = super().load()
         load.total_kv_tokens += sum(len(r.seq) for r in self.reservations.values())
         load.reservations = len(self.reservations)
+        load.fenced_reservations = len(self.quarantine)
         load.handoffs = self.num_handoffs
         load.local_prefills = self.num_local_prefills
         if self.kv_store is not None:
@@ -249,11 +269,16 @@ class CompletionEngine(LLMEngine):
         return state.to_output()
 
     def release_unused(self, request_id: str) -> None:
-        """Abort a reservation whose target no PE was ever given: no write can come, so its blocks
-        are free at once (`abort_request` quarantines them, since a PE may be writing)."""
+        """Abort a reservation no write can land in any more: no PE was given its target, the PE
+        confirmed its abort, or the PE it was given is gone (its process died). Its blocks are
+        free at once (`abort_request` quarantines them, since a PE may be writing); one already
+        fenced is freed `WRITER_GONE_GRACE_S` from now."""
         reservation = self.reservations.pop(request_id, None)
         if reservation is not None:
             self.scheduler.free_seq(reservation.seq)
+        fenced = self.quarantine.get(request_id)
+        if fenced is not None:
+            fenced.deadline = min(fenced.deadline, time.monotonic() + WRITER_GONE_GRACE_S)
         self.abort_request(request_id)
 
     def abort_request(self, request_id: str) -> None:

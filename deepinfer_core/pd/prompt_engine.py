@@ -157,6 +157,15 @@ class PromptEngine(LLMEngine):
         self.targets[request_id] = target
         return seq
 
+    def renew_target(self, request_id: str, expires_at: float) -> bool:
+        """The CE renewed the reservation of `request_id` until `expires_at` (wall clock): writes
+        may be posted until then (never shortened). False when no prefill of it is here."""
+        target = self.targets.get(request_id)
+        if target is None:
+            return False
+        target.expires_at = max(target.expires_at, expires_at)
+        return True
+
     def abort_request(self, request_id: str) -> None:
         """Wait out the request's chunk writes still in flight (they read its PE blocks and land
         in the CE's), then free and tell the CE its reserved blocks are free again."""

@@ -54,8 +54,8 @@ def error_from_rpc(e: grpc.aio.AioRpcError | grpc.aio.UsageError, what: str) -> 
     code = e.code()
     detail = e.details() or code.name
     if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN):
-        return ServiceError(ErrorCode.UNAVAILABLE, f"{what} is unreachable: {detail}")
-    return ServiceError(code_from_grpc(code), f"{what}: {detail}")
+        return ServiceError(ErrorCode.UNAVAILABLE, f"{what} is unreachable: {detail}", retry_after_s=retry_after_of(e))
+    return ServiceError(code_from_grpc(code), f"{what}: {detail}", retry_after_s=retry_after_of(e))
 
 
 RETRY_AFTER_KEY = "retry-after"
@@ -74,8 +74,30 @@ class Malformed:
 def _abort_args(e: ServiceError) -> tuple:
     metadata = ()
     if e.retry_after_s is not None:
-        metadata = ((RETRY_AFTER_KEY, str(e.retry_after_s)), (PUSHBACK_KEY, str(e.retry_after_s * 1000)))
+        seconds = whole_seconds(e.retry_after_s)
+        metadata = ((RETRY_AFTER_KEY, str(seconds)), (PUSHBACK_KEY, str(seconds * 1000)))
     return e.code.grpc_status, e.message, metadata
+
+
+def whole_seconds(retry_after_s: float) -> int:
+    """A wait as `Retry-After` gives it: whole seconds, at least 1."""
+    return max(1, round(retry_after_s))
+
+
+def retry_after_of(e: grpc.aio.AioRpcError) -> Optional[float]:
+    """The seconds a failed call's status says to wait (its `retry-after` trailing metadata), if any:
+    a refusal passed on from another service keeps telling its client when to come back."""
+    try:
+        metadata = e.trailing_metadata() or ()
+    except Exception:  # noqa: BLE001 - a status without metadata
+        return None
+    for key, value in metadata:
+        if key == RETRY_AFTER_KEY:
+            try:
+                return float(value)
+            except ValueError:
+                return None
+    return None
 
 
 def _malformed(request) -> None:

@@ -47,16 +47,21 @@ def fill_delta(msg: common_pb2.SampleDelta, d: SampleDelta) -> common_pb2.Sample
 
 
 def delta_from_proto(msg: common_pb2.SampleDelta) -> SampleDelta:
-    d = SampleDelta(msg.index, msg.token_offset, list(msg.token_ids), msg.text_offset, msg.text)
-    if msg.logprobs:
-        d.logprobs = [TokenLogprob(lp.token_id, lp.logprob, dict(lp.top)) for lp in msg.logprobs]
-    d.finish_reason = msg.finish_reason or None
+    # built in one call: this runs once per token on the router
+    lps = msg.logprobs
     which = msg.WhichOneof("stop_reason")
-    if which:
-        d.stop_reason = getattr(msg, which)
-    d.error = msg.error or None
-    d.num_cached_tokens = msg.num_cached_tokens
-    return d
+    return SampleDelta(
+        msg.index,
+        msg.token_offset,
+        list(msg.token_ids),
+        msg.text_offset,
+        msg.text,
+        [TokenLogprob(lp.token_id, lp.logprob, dict(lp.top)) for lp in lps] if lps else None,
+        msg.finish_reason or None,
+        getattr(msg, which) if which else None,
+        msg.error or None,
+        msg.num_cached_tokens,
+    )
 
 
 def batch_to_proto(items: list[tuple[str, SampleDelta]]) -> worker_pb2.DeltaBatch:

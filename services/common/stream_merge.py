@@ -2,7 +2,7 @@
 request's prompts. A single stream needs none of this: its readers iterate it directly.
 
 Each stream is pumped by its own task into one queue. The reader wakes once per batch of what
-arrived meanwhile and takes all of it, folding each stream's waiting deltas into one
+arrived meanwhile and takes all of it, folding each sample's waiting deltas into one
 (`deltas.merge`): a reader that fell behind pays one delta per stream downstream, not one per token.
 """
 
@@ -51,10 +51,11 @@ class _Merger:
             await self.waiter
         self.waiter = None
 
-    def take(self) -> tuple[dict[int, SampleDelta], int, Optional[BaseException]]:
-        """Everything queued: each stream's deltas folded into one (in the order the streams first
-        appear), how many streams ended, and the first error (what came before it is kept)."""
-        folded: dict[int, SampleDelta] = {}
+    def take(self) -> tuple[dict[tuple[int, int], SampleDelta], int, Optional[BaseException]]:
+        """Everything queued: each sample's deltas folded into one, keyed (stream index, sample index)
+        in the order they first appear (a gateway's stream is one prompt's, with its n samples), how
+        many streams ended, and the first error (what came before it is kept)."""
+        folded: dict[tuple[int, int], SampleDelta] = {}
         ended = 0
         queue = self.queue
         while queue:
@@ -64,14 +65,15 @@ class _Merger:
             elif isinstance(item, BaseException):
                 return folded, ended, item
             else:
-                before = folded.get(index)
+                key = (index, item.index)
+                before = folded.get(key)
                 if before is None or item.finish_reason in FAILED:
                     if before is not None:  # the error gets its own turn, after the text before it
                         queue.appendleft((index, item))
                         return folded, ended, None
-                    folded[index] = item
+                    folded[key] = item
                 else:
-                    folded[index] = merge_deltas(before, item)
+                    folded[key] = merge_deltas(before, item)
         return folded, ended, None
 
     async def close(self) -> None:
@@ -90,8 +92,8 @@ async def merge(streams: list[AsyncIterator[SampleDelta]]) -> AsyncIterator[tupl
         while open_streams:
             await merger.wait()
             folded, ended, error = merger.take()
-            for item in folded.items():
-                yield item
+            for (index, _), delta in folded.items():
+                yield index, delta
             if error is not None:
                 raise error
             open_streams -= ended

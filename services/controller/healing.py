@@ -74,6 +74,7 @@ class PoolHealer:
         logger.warning("%s died (%s): removing it from routing and starting a replacement", worker_id, why)
         for rank_id in actor.worker_ids(worker_id):  # every rank of an instance leaves routing
             await controller.router.registry.remove(rank_id)
+            controller.router.registry.declare_dead(rank_id)  # its fenced reservations can go
         controller.forget(worker_id)
         self.replaced(pool)
 

@@ -21,7 +21,7 @@ import mmap
 import os
 import time
 from collections.abc import Iterator
-from dataclasses import astuple, dataclass
+from dataclasses import dataclass
 from typing import Optional, Protocol
 
 from services.metrics import definitions as m
@@ -41,6 +41,12 @@ class Work:
     sequences: int = 1
     """Prompts x n: each is a sequence some decode engine holds until it ends."""
     prompt_tokens: int = 0
+
+    @property
+    def counts(self) -> tuple[int, int, int]:
+        """One number per kind, in `_KINDS`' order (`dataclasses.astuple` costs more than a request's
+        admission itself)."""
+        return (self.requests, self.sequences, self.prompt_tokens)
 
 
 class CountStore(Protocol):
@@ -186,12 +192,12 @@ class Admission:
 
     def too_big(self, work: Work) -> Optional[str]:
         """The kind of work that `work` alone asks more of than its limit (never admitted), or None."""
-        full = _fits([0] * len(_KINDS), astuple(work), astuple(self.limits))
+        full = _fits([0] * len(_KINDS), work.counts, self.limits.counts)
         return None if full is None else _KINDS[full]
 
     def try_enter(self, work: Work = Work()) -> Optional[str]:
         """None when counted in; else the kind of work whose limit is reached."""
-        full = self.counts.add_if_fits(astuple(work), astuple(self.limits))
+        full = self.counts.add_if_fits(work.counts, self.limits.counts)
         self.drain.observe(self.counts.totals(), time.monotonic())
         if full is None:
             self._admitted.inc()
@@ -200,14 +206,14 @@ class Admission:
         return _KINDS[full]
 
     def leave(self, work: Work = Work()) -> None:
-        self.counts.remove(astuple(work))
+        self.counts.remove(work.counts)
         self.drain.observe(self.counts.totals(), time.monotonic())
 
     def retry_after_s(self, work: Work, kind: str) -> int:
         """Whole seconds until, at the recent drain rate, `work` of `kind` would fit."""
         k = _KINDS.index(kind)
         totals, now = self.counts.totals(), time.monotonic()
-        excess = totals[k] + astuple(work)[k] - astuple(self.limits)[k]
+        excess = totals[k] + work.counts[k] - self.limits.counts[k]
         rate = self.drain.per_second(k, totals, now)
         seconds = math.ceil(excess / rate) if rate > 0 else _RETRY_UNKNOWN_S
         return max(_RETRY_MIN_S, min(_RETRY_MAX_S, seconds))

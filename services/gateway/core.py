@@ -2,7 +2,8 @@
 tokenizing and validating, streaming from the router, and the request-level metrics.
 
 Tokenizing and chat templating run on a small thread pool (`offload`), never on the event loop:
-a prompt of megabytes takes the tokenizer seconds, and every other request would wait them out."""
+a prompt of megabytes takes the tokenizer seconds, and every other request would wait them out.
+Small work (`is_small`) runs inline: the hop to a thread and back costs more than it does."""
 
 from __future__ import annotations
 
@@ -160,13 +161,16 @@ class GatewayCore:
         """Requests in flight (over every API process when the count is shared)."""
         return self.admission.in_flight()
 
-    async def offload(self, fn, *args):
-        """`fn(*args)` on the tokenizer threads."""
+    async def offload(self, fn, *args, small: bool = False):
+        """`fn(*args)` on the tokenizer threads; `small`: here and now, work too small to be worth the hop."""
+        if small:
+            return fn(*args)
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
     async def encode_prompts(self, prompt) -> list[list[int]]:
         max_len = self.config.max_model_len
-        return await self.offload(validation.encode_prompts, prompt, self.tokenizer, self.vocab_size, max_len)
+        args = (prompt, self.tokenizer, self.vocab_size, max_len)
+        return await self.offload(validation.encode_prompts, *args, small=small_prompt(prompt))
 
     async def encode_chat(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
@@ -247,6 +251,23 @@ class GatewayCore:
         longest = max(len(c.token_ids) for c in choices)
         if longest > 1:
             m.TIME_PER_OUTPUT_TOKEN.labels(model).observe((last_at - first_at) / (longest - 1))
+
+
+INLINE_PROMPT_ITEMS = 1024
+"""A completion prompt of at most this many characters or token ids is encoded on the event loop
+(tens of µs at most); a larger one goes to the tokenizer threads."""
+INLINE_BODY_BYTES = 16 * 1024
+"""An HTTP body of at most this many bytes is parsed on the event loop."""
+
+
+def small_prompt(prompt: Any) -> bool:
+    if isinstance(prompt, str):
+        return len(prompt) <= INLINE_PROMPT_ITEMS
+    if not isinstance(prompt, list) or len(prompt) > INLINE_PROMPT_ITEMS:
+        return False
+    if all(type(p) is int for p in prompt):
+        return True
+    return sum(len(p) if isinstance(p, (str, list)) else 1 for p in prompt) <= INLINE_PROMPT_ITEMS
 
 
 def usage(choices: list[Choice]) -> dict[str, Any]:

@@ -1,6 +1,7 @@
 """The SSE bodies of streamed /v1/completions and /v1/chat/completions: one event per delta the
 gateway core yields (deltas that were waiting together already come as one), the usage chunk
-when asked for, an error event if the stream fails after it started, then `[DONE]`."""
+when asked for, an error event if the stream fails after it started (a refusal before its first
+delta is a status instead: `http_app`), then `[DONE]`."""
 
 from __future__ import annotations
 
@@ -16,12 +17,14 @@ logger = logging.getLogger(__name__)
 
 
 async def completion_events(
-    core: GatewayCore, prompts: list[list[int]], params, fmt: Formatter, include_usage: bool
+    core: GatewayCore, prompts: list[list[int]], params, fmt: Formatter, include_usage: bool, deltas=None
 ) -> AsyncIterator[bytes]:
+    """`deltas`: the request's `core.generate` stream, already started (None: started here)."""
     chunks = StreamChunks(fmt, chat=False)
     choices: dict[int, Choice] = {}
+    deltas = deltas if deltas is not None else core.generate(prompts, params, fmt.id)
     try:
-        async for choice, delta in core.generate(prompts, params, fmt.id):
+        async for choice, delta in deltas:
             choices[choice.index] = choice
             yield chunks.completion(choice, delta)
         if include_usage:
@@ -35,12 +38,14 @@ async def completion_events(
 
 
 async def chat_events(
-    core: GatewayCore, prompts: list[list[int]], params, fmt: Formatter, include_usage: bool, images=()
+    core: GatewayCore, prompts: list[list[int]], params, fmt: Formatter, include_usage: bool, images=(), deltas=None
 ) -> AsyncIterator[bytes]:
+    """`deltas`: the request's `core.generate` stream, already started (None: started here)."""
     chunks = StreamChunks(fmt, chat=True)
     choices: dict[int, Choice] = {}
+    deltas = deltas if deltas is not None else core.generate(prompts, params, fmt.id, images)
     try:
-        async for choice, delta in core.generate(prompts, params, fmt.id, images):
+        async for choice, delta in deltas:
             if choice.index not in choices:
                 choices[choice.index] = choice
                 yield chunks.chat_role(choice.index)

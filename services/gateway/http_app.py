@@ -17,14 +17,16 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from services.common.errors import ErrorCode, ServiceError
+from services.common.grpc_util import whole_seconds
 from services.gateway import http_body, openapi, validation
-from services.gateway.core import Choice, GatewayCore, usage
+from services.gateway.core import INLINE_BODY_BYTES, Choice, GatewayCore, usage
+from services.gateway.event_response import EventStream, EventStreamApp
 from services.gateway.event_streams import chat_events, completion_events
 from services.gateway.protocol import ChatCompletionRequest, CompletionRequest
 from services.gateway.responses import Formatter, error_body, service_error_body
@@ -37,7 +39,7 @@ _DISCONNECT_POLL_S = 0.5
 def build_app(core: GatewayCore, on_metrics=None, metrics_registry=None) -> FastAPI:
     """`on_metrics`: an async callable run before each /metrics scrape; `metrics_registry`: what
     /metrics serves (default: this process's registry; with several API processes, all of theirs)."""
-    app = FastAPI(title="DeepInfer Cluster", docs_url=None, redoc_url=None)
+    app = EventStreamApp(title="DeepInfer Cluster", docs_url=None, redoc_url=None)
     app.state.core = core
     _add_error_handlers(app)
     _add_info_routes(app, core, on_metrics, metrics_registry or REGISTRY)
@@ -57,7 +59,7 @@ def build_app(core: GatewayCore, on_metrics=None, metrics_registry=None) -> Fast
 def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ServiceError)
     async def _service_error(request: Request, e: ServiceError):
-        headers = {"Retry-After": str(max(1, round(e.retry_after_s)))} if e.retry_after_s is not None else None
+        headers = {"Retry-After": str(whole_seconds(e.retry_after_s))} if e.retry_after_s is not None else None
         return JSONResponse(service_error_body(e), status_code=e.http_status, headers=headers)
 
     @app.exception_handler(StarletteHTTPException)
@@ -153,7 +155,7 @@ async def _parse(request: Request, core: GatewayCore, model: type[BaseModel], un
     core.check_api_key(request.headers.get("authorization"))
     http_body.check_content_type(request)
     raw = await http_body.read(request, core.config.max_request_bytes)
-    body = await core.offload(http_body.parse, raw, model, unsupported)
+    body = await core.offload(http_body.parse, raw, model, unsupported, small=len(raw) <= INLINE_BODY_BYTES)
     validation.check_model(body.model, core.config.model_name)
     return body
 
@@ -188,11 +190,16 @@ async def _respond(request, core, prompts, params, fmt, stream, include_usage, c
     # counted in now, while a status can still say 429; a stream lets go when its response is over
     work = core.admit(prompts, params)
     if stream:
+        try:  # the headers wait for the first delta: a refusal before it is a status (429/503, Retry-After)
+            deltas = await _started(request, core.generate(prompts, params, fmt.id, images))
+        except BaseException:
+            core.release(work)
+            raise
         if chat:
-            events = chat_events(core, prompts, params, fmt, include_usage, images)
+            events = chat_events(core, prompts, params, fmt, include_usage, images, deltas=deltas)
         else:
-            events = completion_events(core, prompts, params, fmt, include_usage)
-        return _AdmittedStream(core, work, events)
+            events = completion_events(core, prompts, params, fmt, include_usage, deltas=deltas)
+        return EventStream(events, on_end=lambda: core.release(work))
     try:
         choices = await _until_disconnect(request, _collect(core, prompts, params, fmt.id, images))
     finally:
@@ -206,6 +213,33 @@ async def _collect(core, prompts, params, request_id, images=()) -> list[Choice]
     async for choice, _ in core.generate(prompts, params, request_id, images):
         choices[choice.index] = choice
     return list(choices.values())
+
+
+async def _started(request: Request, deltas: AsyncIterator) -> AsyncIterator:
+    """`deltas` with its first item already read (raises what it raised before any): a stream
+    refused before its first byte (no room, a pool empty, the deadline) is answered with a status
+    and `Retry-After`, not a 200 whose only event is the error."""
+    try:
+        first = await _until_disconnect(request, _next(deltas))
+    except StopAsyncIteration:
+        return deltas
+    except BaseException:
+        await deltas.aclose()
+        raise
+    return _after(first, deltas)
+
+
+async def _next(deltas: AsyncIterator):
+    return await deltas.__anext__()
+
+
+async def _after(first, rest: AsyncIterator) -> AsyncIterator:
+    try:
+        yield first
+        async for item in rest:
+            yield item
+    finally:
+        await rest.aclose()
 
 
 async def _until_disconnect(request: Request, coro):
@@ -222,19 +256,3 @@ async def _until_disconnect(request: Request, coro):
     finally:
         if not task.done():
             task.cancel()
-
-
-class _AdmittedStream(StreamingResponse):
-    """An SSE stream admitted before it starts: it lets go of its place once the response is over,
-    whether the stream ran to its end, failed, or never started (the client left before it did)."""
-
-    def __init__(self, core: GatewayCore, work, events: AsyncIterator[bytes]):
-        super().__init__(events, media_type="text/event-stream")
-        self._core = core
-        self._work = work
-
-    async def __call__(self, scope, receive, send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            self._core.release(self._work)

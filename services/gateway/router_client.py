@@ -12,7 +12,7 @@ from proto import common_pb2, router_pb2, router_pb2_grpc
 from services.common import auth
 from services.common.deltas import SampleDelta
 from services.common.errors import ErrorCode, ServiceError, code_from_grpc
-from services.common.grpc_util import channel, error_from_rpc
+from services.common.grpc_util import channel, error_from_rpc, retry_after_of
 from services.common.messages import delta_from_proto
 from services.common.params import params_to_proto
 
@@ -66,7 +66,7 @@ def _error(e: grpc.aio.AioRpcError) -> ServiceError:
     details = e.details() or e.code().name
     if e.code() == grpc.StatusCode.UNAVAILABLE and "failed to connect" in details:
         return ServiceError(ErrorCode.UNAVAILABLE, f"the router is unreachable: {details}")
-    return ServiceError(code_from_grpc(e.code()), details)
+    return ServiceError(code_from_grpc(e.code()), details, retry_after_s=retry_after_of(e))  # e.g. a pool is empty
 
 
 class LocalRouterClient:

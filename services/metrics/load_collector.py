@@ -26,6 +26,11 @@ _GAUGES = [
     ("total_kv_tokens", "Tokens whose KV the engine holds for live requests.", lambda x: x.total_kv_tokens),
     ("queued_prompt_tokens", "Prompt tokens admitted and not yet prefilled.", lambda x: x.queued_prompt_tokens),
     ("kv_reservations", "Decode reservations waiting for their KV.", lambda x: x.reservations),
+    (
+        "kv_fenced_reservations",
+        "Decode reservations that ended early, their blocks fenced until no prefill engine can write them.",
+        lambda x: x.fenced_reservations,
+    ),  # fmt: skip
     ("encoder_queue_images", "Images waiting for a vision encoder's batch.", lambda x: x.encoder_queue_images),
     ("embedding_leases", "Embedding pool slots a vision encoder has leased.", lambda x: x.embedding_leases),
     (

@@ -78,6 +78,14 @@ class WorkerClient(Protocol):
         Whether the worker held it; None when the worker could not be reached."""
         ...
 
+    async def renew_lease(
+        self, request_id: str, prefill: bool, lease_s: float, expires_at: float, timeout: float
+    ) -> float:
+        """A heartbeat for a reservation whose prefill runs. CE (`prefill` False): extend it to
+        `lease_s` from now; PE: its writes may be posted until `expires_at`. Returns the lease's end
+        (wall clock; 0.0: the worker holds no such request). Raises ServiceError."""
+        ...
+
     async def encode(self, request_id: str, images: Sequence[bytes], timeout: float) -> list[EmbeddingHandle]:
         """A vision encoder: a lease on each image's embeddings, in order."""
         ...
@@ -180,8 +188,13 @@ class GrpcWorkerClient:
         except BaseException:
             self._drop(request_id)
             raise
-        async for msg in self._relay(request_id, inbox, deadline):
-            yield msg
+        # `_relay` inline: one generator fewer for each token to pass through
+        inbox.expire_at(asyncio.get_running_loop(), deadline, self.name)
+        try:
+            async for delta in inbox.deltas():
+                yield delta
+        finally:
+            self._drop(request_id, inbox)
 
     # ---- the subscription ----------------------------------------------------------------------
     async def _open_inbox(self, request_id: str, timeout: float) -> Optional[RequestInbox]:
@@ -263,6 +276,14 @@ class GrpcWorkerClient:
         except CALL_ERRORS:
             return None  # unreachable: dead (it holds nothing) or cut off (it may still act)
 
+    async def renew_lease(self, request_id, prefill: bool, lease_s: float, expires_at: float, timeout: float) -> float:
+        stub = self._prefill if prefill else self._decode
+        req = worker_pb2.LeaseRenewal(request_id=request_id, lease_s=lease_s, expires_at=expires_at)
+        try:
+            return (await stub.RenewLease(req, timeout=timeout)).expires_at
+        except CALL_ERRORS as e:
+            raise error_from_rpc(e, self.name) from None
+
     async def encode(self, request_id, images, timeout) -> list[EmbeddingHandle]:
         req = worker_pb2.EncodeRequest(request_id=request_id, images=list(images))
         try:
@@ -331,6 +352,11 @@ class LocalWorkerClient:
 
     async def abort(self, request_id, prefill: bool, unused: bool = False) -> Optional[bool]:
         return await (self.core.abort(request_id, unused) if unused else self.core.abort(request_id))
+
+    async def renew_lease(self, request_id, prefill: bool, lease_s: float, expires_at: float, timeout: float) -> float:
+        if prefill:
+            return expires_at if await self.core.renew_lease(request_id, expires_at) else 0.0
+        return await self.core.renew_lease(request_id, lease_s)
 
     async def encode(self, request_id, images, timeout) -> list[EmbeddingHandle]:
         return await self.core.encode(request_id, list(images))

@@ -132,7 +132,8 @@ class RouterCore:
         """A sub-request whose KV target a PE was given ends early: abort it on the PE first, then
         on the CE. A PE that answered the abort will never write for it (it waits out writes in
         flight and refuses the id from then on), so the CE frees the blocks at once; a PE that could
-        not be reached may still write, so the CE fences them (quarantine) until the lease is over."""
+        not be reached may still write, so the CE fences them (quarantine) until the lease is over,
+        or until the PE is declared dead (its process is gone: no write can come), whichever is first."""
         self.run_later(self._release_handed_out(pe, ce, sub_id))
 
     async def _release_handed_out(self, pe: WorkerHandle, ce: WorkerHandle, sub_id: str) -> None:
@@ -140,9 +141,11 @@ class RouterCore:
             reached = await pe.client.abort(sub_id, True)
         except (asyncio.CancelledError, Exception):  # its channel closed under the call (the PE left)
             reached = None
-        if reached is None:
-            await ce.client.abort(sub_id, False)
-        else:
+        if reached is not None:
+            await ce.client.abort(sub_id, False, unused=True)
+            return
+        await ce.client.abort(sub_id, False)  # the request ends now, its blocks fenced
+        if await self.registry.wait_dead(pe, self.config.writer_death_wait_s):
             await ce.client.abort(sub_id, False, unused=True)
 
     def run_later(self, coro) -> None:
@@ -175,11 +178,7 @@ class RouterCore:
         pool = {h.worker_id: h for h in self.registry.pool(pool_id) if h.worker_id not in exclude}
         candidates = [
             DecodeCandidate(
-                h.worker_id,
-                h.inflight,
-                h.inflight_tokens,
-                h.info.num_blocks * h.info.block_size,
-                h.info.max_num_seqs,
+                h.worker_id, h.inflight, h.inflight_blocks, h.info.num_blocks, h.info.max_num_seqs, h.info.block_size
             )
             for h in pool.values()
         ]

@@ -40,10 +40,15 @@ class WorkerHandle:
     """Requests the router has on this worker now."""
     inflight_tokens: int = 0
     """PE: prompt tokens of prefills in flight. CE / NORMAL: prompt + max output tokens of its requests."""
+    inflight_blocks: int = 0
+    """CE / NORMAL: the KV blocks its requests may come to hold (each one's tokens in whole blocks)."""
     failures: int = 0
     connected_peers: bool = True
     """This registry connected its PEs to it (a CE), so it disconnects them when it leaves."""
     joined_at: float = field(default_factory=time.monotonic)
+    dead: asyncio.Event = field(default_factory=asyncio.Event)
+    """Set when the worker's process is known to be gone (`PoolRegistry.declare_dead`): nothing of
+    it runs any more, so no KV write of it can still be posted."""
     prefixes: PrefixSet = field(init=False)
     """The prompt prefixes the router sent here (prefix-aware routing); a worker that rejoins starts empty."""
 
@@ -60,6 +65,8 @@ class PoolRegistry:
         self.client_factory = client_factory
         self.max_failures = max_failures
         self.workers: dict[str, WorkerHandle] = {}
+        self._left: dict[str, WorkerHandle] = {}
+        """Workers that left lately (oldest first): one may be declared dead after it left."""
         self._changed = asyncio.Event()
 
     # ---- membership ------------------------------------------------------------------------
@@ -103,6 +110,10 @@ class PoolRegistry:
         if handle is None:
             return False
         logger.info("worker %s left the %s pool", worker_id, handle.info.pool_name)
+        self._left.pop(worker_id, None)
+        self._left[worker_id] = handle
+        while len(self._left) > _LEFT_KEPT:
+            del self._left[next(iter(self._left))]
         self._notify()  # routing stops at once; the clean-up below may take a moment
         await handle.client.close()
         if disconnect and handle.connected_peers and handle.info.pool == POOL_DECODE and handle.info.agent_name:
@@ -116,6 +127,22 @@ class PoolRegistry:
         for pe, result in zip(pes, results):
             if isinstance(result, Exception):
                 logger.warning("%s could not let go of %s: %s", pe.worker_id, agent_name, result)
+
+    def declare_dead(self, worker_id: str) -> None:
+        """The worker's process is gone (its actor died, or stopped with its engine): whoever waits
+        on `wait_dead` for it (a reservation fenced against its writes) may go on."""
+        handle = self.workers.get(worker_id) or self._left.get(worker_id)
+        if handle is not None:
+            handle.dead.set()
+
+    @staticmethod
+    async def wait_dead(handle: WorkerHandle, timeout_s: float) -> bool:
+        """Whether the worker is declared dead within `timeout_s`."""
+        try:
+            await asyncio.wait_for(handle.dead.wait(), timeout_s)
+        except asyncio.TimeoutError:
+            return False
+        return True
 
     def drain(self, worker_id: str) -> Optional[WorkerHandle]:
         """Route no new work to the worker."""
@@ -177,6 +204,10 @@ class PoolRegistry:
     async def close(self) -> None:
         for worker_id in list(self.workers):
             await self.remove(worker_id, disconnect=False)  # every worker goes: nothing to tell the PEs
+
+
+_LEFT_KEPT = 256
+"""Workers that left remembered for `declare_dead`: far more than leave within a death's detection."""
 
 
 async def _let_go(pe: WorkerHandle, agent_name: str) -> None:

@@ -1,6 +1,6 @@
 """One sample of one request through the stages: the router's state machine.
 
-Disaggregated: reserve on a CE (lease) -> prefill on a PE into that reservation (the first
+Disaggregated: reserve on a CE (a short lease, renewed while the prefill runs) -> prefill on a PE into that reservation (the first
 token comes back here and goes straight to the client) -> stream the rest from the CE, which
 starts after that token. A prefill that fails before any token was sent, in a way that may
 succeed elsewhere, is retried on another PE with a fresh reservation; a request the engine
@@ -26,7 +26,9 @@ from services.common.errors import ErrorCode, ServiceError
 from services.common.prefill_result import PrefillResult
 from services.common.workers import POOL_COLOCATED, POOL_DECODE, POOL_NAMES, POOL_PREFILL
 from services.metrics import definitions as m
+from services.router.decode_policy import blocks_for
 from services.router.encode_step import EncodeStep
+from services.router.lease_keeper import LeaseKeeper
 from services.router.local_prefill import local_prefill
 from services.router.migration import SampleProgress, StreamBroken
 from services.router.prefix_index import chunk_hashes
@@ -182,8 +184,12 @@ class SampleFlow:
             self._handed_out = False
             images = await encoder.encode(sub_id) if encoder is not None else self.images
             ce, kv_target = await self._reserve(sub_id, prompt, params, suspect_ce)
+            lease = LeaseKeeper(ce, sub_id, kv_target, self.config.pd.renewed_lease_s, self._writer)
             try:
-                first = await self._prefill(sub_id, prompt, params, kv_target, tried_pe, images)
+                try:
+                    first = await self._prefill(sub_id, prompt, params, kv_target, tried_pe, images)
+                finally:
+                    lease.stop()
             except _RetryPrefill as retry:
                 last_error = retry.error
                 lost = EMBEDDINGS_UNAVAILABLE in retry.error.message  # the encoder's lease, not the PE, failed
@@ -211,6 +217,10 @@ class SampleFlow:
             f"prefill failed {self.config.max_prefill_attempts} times; last error: "
             f"{last_error.message if last_error else '?'}",
         )
+
+    def _writer(self) -> Optional[WorkerHandle]:
+        """The PE the current attempt's KV target has gone to (None: not yet)."""
+        return self._pe if self._handed_out else None
 
     def _failed(self, ce: WorkerHandle, sub_id: str, encoder: Optional[EncodeStep], images: list) -> None:
         """A prefill attempt failed: let go of its CE reservation and of its image leases (a retry
@@ -244,7 +254,7 @@ class SampleFlow:
             timeout = min(self.config.reserve_timeout_s, self.remaining())
             self._hold(ce, self.kv_tokens, None)
             try:
-                target = await ce.client.reserve(sub_id, prompt, params, self.config.pd.lease_s, timeout)
+                target = await ce.client.reserve(sub_id, prompt, params, self.config.pd.renewed_lease_s, timeout)
             except ServiceError as e:
                 self._release(ce, self.kv_tokens)
                 if e.code in _UNCERTAIN:  # it may have reserved before the call failed
@@ -353,7 +363,11 @@ class SampleFlow:
                 # wait a little for that before blaming the request
                 all_failed_since = all_failed_since or time.monotonic()
                 if time.monotonic() - all_failed_since > self.config.failed_pool_grace_s:
-                    raise ServiceError(ErrorCode.UNAVAILABLE, f"every {POOL_NAMES[pool]} worker failed this request")
+                    raise ServiceError(
+                        ErrorCode.UNAVAILABLE,
+                        f"every {POOL_NAMES[pool]} worker failed this request",
+                        retry_after_s=self.config.retry_after_s,  # replacements start within seconds
+                    )
             else:
                 all_failed_since = None
             if time.monotonic() >= give_up:
@@ -365,12 +379,14 @@ class SampleFlow:
     def _hold(self, worker: WorkerHandle, tokens: int, pool_label: Optional[str]) -> None:
         worker.inflight += 1
         worker.inflight_tokens += tokens
+        worker.inflight_blocks += blocks_for(tokens, worker.info.block_size)
         if pool_label:
             m.ROUTER_DECISIONS.labels(pool_label, worker.worker_id).inc()
 
     def _release(self, worker: WorkerHandle, tokens: int) -> None:
         worker.inflight -= 1
         worker.inflight_tokens -= tokens
+        worker.inflight_blocks -= blocks_for(tokens, worker.info.block_size)
         self.router.registry.released(worker)
 
 

@@ -94,6 +94,12 @@ class DecodeCore(WorkerCore):
             self.streams.close(request_id)
             raise engine_error(e) from None
 
+    async def renew_lease(self, request_id: str, lease_s: float) -> float:
+        """CE: a heartbeat for a reservation whose prefill runs; its new end (wall clock), 0.0 when
+        it is no longer waiting for its KV."""
+        self._check_role(EngineType.COMPLETION, "RenewLease")
+        return await self.host.run(_renew, request_id, lease_s)
+
     async def submit(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, subscriber_id: str, images=()
     ) -> None:
@@ -184,6 +190,10 @@ class DecodeCore(WorkerCore):
 
 def _reserve(engine, request_id, params, prompt_token_ids, lease_s):
     return engine.reserve(request_id, params, prompt_token_ids, lease_s=lease_s)
+
+
+def _renew(engine, request_id, lease_s):
+    return engine.renew_reservation(request_id, lease_s)
 
 
 def _release_unused(engine, request_id):

@@ -99,6 +99,13 @@ class PrefillCore(WorkerCore):
                 del self._aborted[rid]
         return await super().abort(request_id)
 
+    async def renew_lease(self, request_id: str, expires_at: float) -> bool:
+        """The CE renewed the request's reservation until `expires_at`: its writes may be posted
+        until then. False when no prefill of it is here."""
+        if not self.host.alive:
+            return False
+        return await self.host.run(lambda engine: engine.renew_target(request_id, expires_at))
+
     async def disconnect_peer(self, agent_name: str) -> None:
         """Forget a CE that left (its agent goes once no hand-off targets it)."""
         if self.host.alive:

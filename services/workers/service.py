@@ -66,6 +66,11 @@ class PrefillService(worker_pb2_grpc.PrefillServicer):
         await self.core.disconnect_peer(request.agent_name)
         return worker_pb2.DisconnectPeerReply()
 
+    @handles_errors
+    async def RenewLease(self, request, context):
+        found = await self.core.renew_lease(request.request_id, request.expires_at)
+        return worker_pb2.LeaseRenewalReply(found=found, expires_at=request.expires_at if found else 0.0)
+
 
 class DecodeService(worker_pb2_grpc.DecodeServicer):
     """CE (Reserve / Stream / Abort) or NORMAL engine (Submit, Generate / Abort); either one's
@@ -117,6 +122,13 @@ class DecodeService(worker_pb2_grpc.DecodeServicer):
     @handles_errors
     async def Abort(self, request, context):
         return worker_pb2.AbortReply(found=await self.core.abort(request.request_id, request.unused))
+
+    @handles_errors
+    async def RenewLease(self, request, context):
+        if request.lease_s <= 0:
+            raise ServiceError(ErrorCode.INVALID_ARGUMENT, "lease_s must be > 0", "lease_s")
+        expires_at = await self.core.renew_lease(request.request_id, request.lease_s)
+        return worker_pb2.LeaseRenewalReply(found=expires_at > 0, expires_at=expires_at)
 
 
 class EncoderService(worker_pb2_grpc.EncoderServicer):

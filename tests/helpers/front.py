@@ -9,17 +9,31 @@ import threading
 
 from deepinfer_core.builtin import TINY_MODEL_DIR
 from deepinfer_core.tokenizer import load_tokenizer
-from proto import gateway_pb2_grpc
+from proto import gateway_pb2_grpc, router_pb2_grpc
+from services.common.grpc_util import bind, new_server
 from services.gateway.core import GatewayConfig, GatewayCore
 from services.gateway.front import GatewayFront
-from services.gateway.router_client import LocalRouterClient
+from services.gateway.router_client import GrpcRouterClient, LocalRouterClient
+from services.router.config import RouterConfig
+from services.router.service import RouterService
 from tests.helpers.scripted_worker import ScriptedWorker, scripted_router
 
 
 class ServedFront:
-    def __init__(self, config: GatewayConfig, worker: ScriptedWorker | None = None):
+    def __init__(
+        self,
+        config: GatewayConfig,
+        worker: ScriptedWorker | None = None,
+        router_config: RouterConfig | None = None,
+        router_over_grpc: bool = False,
+    ):
+        """`router_over_grpc`: the gateway reaches the router through its gRPC server, as in the cluster."""
         self.config = config
         self.worker = worker or ScriptedWorker()
+        self.router_config = router_config
+        self.router_over_grpc = router_over_grpc
+        self.router = None
+        self._router_server = None
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self._thread.start()
@@ -36,8 +50,15 @@ class ServedFront:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
 
     async def _start(self) -> GatewayFront:
-        router = await scripted_router(self.worker)
-        core = GatewayCore(self.config, load_tokenizer(TINY_MODEL_DIR), LocalRouterClient(router))
+        router = self.router = await scripted_router(self.worker, self.router_config)
+        client = LocalRouterClient(router)
+        if self.router_over_grpc:
+            self._router_server = new_server()
+            router_pb2_grpc.add_RouterServicer_to_server(RouterService(router), self._router_server)
+            port = bind(self._router_server, "127.0.0.1", 0)
+            await self._router_server.start()
+            client = GrpcRouterClient(f"127.0.0.1:{port}")
+        core = GatewayCore(self.config, load_tokenizer(TINY_MODEL_DIR), client)
         front = GatewayFront(core, gateway_pb2_grpc.ClusterServicer())
         front.bind("127.0.0.1", 0, 0)
         await front.start()
@@ -45,5 +66,7 @@ class ServedFront:
 
     def stop(self) -> None:
         self.call(self.front.stop(), timeout_s=30)
+        if self._router_server is not None:
+            self.call(self._router_server.stop(1), timeout_s=30)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(10)

@@ -82,8 +82,8 @@ def _logprobs(tokens: list[int], top: int | None):
     return [{t: -0.5 - (t % 5) / 10, **{(t + k + 1) % VOCAB: -1.25 - k for k in range(top)}} for t in tokens]
 
 
-async def scripted_router(worker: ScriptedWorker) -> RouterCore:
+async def scripted_router(worker: ScriptedWorker, config: RouterConfig | None = None) -> RouterCore:
     """A RouterCore whose only worker is `worker` (the colocated pool)."""
     registry = PoolRegistry(lambda info: worker)
     await registry.add(worker.info(), worker)
-    return RouterCore(registry, RouterConfig(pools=(POOL_COLOCATED,)), "m")
+    return RouterCore(registry, config or RouterConfig(pools=(POOL_COLOCATED,)), "m")

@@ -141,6 +141,39 @@ def test_lease_expiring_during_prefill_never_writes_and_releases_the_quarantine(
     assert wait_free_blocks(ce, N, timeout_s=0.9) == N  # the PE's notice ends the quarantine early
 
 
+def test_a_renewed_lease_keeps_a_prefill_slower_than_the_lease_and_the_pe_writes_within_it(ce):
+    """Heartbeats: the CE extends the lease, then the PE is told the new end; the prefill, slower than
+    the base lease, lands and decodes, and the PE's end never passes the CE's."""
+    prompt = list(range(1, 30))
+    pe = local_pe()
+    target = reserve(ce, "renewed", prompt, greedy(4), lease_s=0.6)
+    pe.add_prefill("renewed", target, greedy(4), prompt)
+    first_end = target.expires_at
+    for _ in range(6):  # 1.2 s: twice the base lease
+        time.sleep(0.2)
+        expires_at = ce.call("renew_reservation", "renewed", 0.6)
+        assert expires_at > time.time() and pe.renew_target("renewed", expires_at)
+    assert pe.targets["renewed"].expires_at == expires_at > first_end + 0.5
+    (r,) = run_pe(pe)
+    assert r.ok, r.error
+    out = wait_ce(ce, ["renewed"], timeout_s=30)["renewed"]
+    assert out.outputs[0].finish_reason == "length" and len(out.outputs[0].token_ids) == 4
+    assert ce.call("renew_reservation", "renewed", 0.6) == 0.0  # handed off: nothing left to renew
+    assert not pe.renew_target("renewed", time.time() + 10)
+    assert wait_free_blocks(ce, N) == N
+
+
+def test_a_fenced_reservation_whose_writer_is_gone_is_freed_within_a_second(ce):
+    """The PE it was given is known dead (its process is gone): the fence of lease + grace is lifted."""
+    target = reserve(ce, "orphan", [1, 2, 3], greedy(4), lease_s=30.0)
+    ce.call("abort", "orphan")  # fenced: until the lease and its grace are over
+    assert ce.call("stats")["quarantined"] == 1
+    started = time.monotonic()
+    ce.call("release_unused", "orphan")
+    assert wait_free_blocks(ce, N, timeout_s=5) == N and ce.call("stats")["quarantined"] == 0
+    assert time.monotonic() - started < 2.0 and len(target.block_ids) >= 1
+
+
 def test_lease_expiring_between_chunks_stops_the_stream_and_releases_the_quarantine(ce, monkeypatch):
     monkeypatch.setattr(envs, "DEEPINFER_PD_STREAM_CHUNKS", True)
     prompt = list(range(1, 70))

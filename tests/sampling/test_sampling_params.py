@@ -100,3 +100,16 @@ def test_clone_is_deep() -> None:
     twin.stop.append("y")
     twin.stop_token_ids.append(2)
     assert params.stop == ["x"] and params.stop_token_ids == [1]
+
+
+def test_clone_copies_every_field_that_is_not_a_scalar() -> None:
+    """`clone` copies the two list fields by hand; a new field of another mutable kind must be copied too."""
+    import dataclasses
+
+    params = SamplingParams(stop=["x"], stop_token_ids=[1], seed=3, logprobs=2)
+    twin = params.clone()
+    for f in dataclasses.fields(SamplingParams):
+        value = getattr(params, f.name)
+        if value is None or isinstance(value, (bool, int, float, str)):
+            continue
+        assert getattr(twin, f.name) == value and getattr(twin, f.name) is not value, f.name

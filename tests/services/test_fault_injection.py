@@ -15,8 +15,10 @@ from tests.helpers.nixl import require_nixl  # noqa: E402
 require_nixl()
 
 from deepinfer_core import LLM, SamplingParams  # noqa: E402
+from deepinfer_core.config import PDConfig  # noqa: E402
 from services.common.workers import POOL_DECODE, POOL_PREFILL  # noqa: E402
 from services.metrics import definitions as m  # noqa: E402
+from services.router.clients import LocalWorkerClient  # noqa: E402
 from services.workers.spec import EngineSettings, WorkerSpec  # noqa: E402
 from services.workers.worker_server import build_engine  # noqa: E402
 from tests.helpers.fault_injection import Faults, at_rest, fail_every_nth_post, pd_cluster  # noqa: E402
@@ -146,6 +148,63 @@ def test_a_late_kv_write_into_an_aborted_reservation_never_reaches_another_reque
 
     tokens, view = _run(engines, Faults(), body)
     assert tokens == want[1].token_ids
+    _assert_at_rest(view)
+
+
+def test_a_prefill_slower_than_the_lease_keeps_its_reservation_by_heartbeats(engines, monkeypatch):
+    """The router reserves with a short lease and renews it while the prefill runs: a prefill that
+    takes three leases' time still lands (without the heartbeats its reservation would expire and
+    the PE refuse the target), with the undisturbed output; nothing is held afterwards."""
+    want = engines[3]
+    faults = Faults(delay_s={"prefill": 1.2})
+    pd = PDConfig(renewed_lease_s=0.4)
+    renewed = []
+    real = LocalWorkerClient.renew_lease
+
+    async def counted(self, request_id, prefill, lease_s, expires_at, timeout):
+        end = await real(self, request_id, prefill, lease_s, expires_at, timeout)
+        renewed.append((prefill, end))
+        return end
+
+    async def body(router, cores):
+        return await _view(router, "slow", PROMPTS[0], GREEDY)
+
+    monkeypatch.setattr(LocalWorkerClient, "renew_lease", counted)
+    got, view = _run(engines, faults, body, pd=pd)
+    assert got == (want[0].token_ids, want[0].text, "length")
+    assert len([end for prefill, end in renewed if not prefill and end > 0]) >= 2, renewed
+    _assert_at_rest(view)
+
+
+def test_at_high_concurrency_no_ce_is_admitted_beyond_its_kv_blocks(engines):
+    """120 requests at once of 7 prompt + 10 output tokens: 3 blocks of 8 each (17 tokens), 128 blocks
+    per CE. Counted in tokens the router would put 60 on a CE (180 blocks: preemptions); counted in
+    blocks at most 42 go to each, the rest wait, and no CE preempts any request."""
+    pe, ces, specs, _ = engines
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    prompts = [[5 + i % 60, 6 + i // 60, 7, 8, 9, 10, 11] for i in range(120)]  # no two alike
+    preemptions = {wid: ce.scheduler.num_preemptions for wid, ce in ces.items()}
+    peak: dict[str, int] = {}
+
+    async def body(router, cores):
+        async def watch():
+            while True:
+                for wid in ces:
+                    peak[wid] = max(peak.get(wid, 0), router.registry.workers[wid].inflight_blocks)
+                await asyncio.sleep(0.005)
+
+        watcher = asyncio.ensure_future(watch())
+        try:
+            return await asyncio.gather(*(_view(router, f"hc{i}", p, params) for i, p in enumerate(prompts)))
+        finally:
+            watcher.cancel()
+
+    got, view = _run(engines, Faults(), body)
+    assert all(finish == "length" and len(tokens) == 10 for tokens, _, finish in got)
+    num_blocks = ARGS["num_gpu_blocks"]
+    assert all(0 < peak[wid] <= num_blocks for wid in ces), peak
+    assert max(peak.values()) > num_blocks // 2, peak  # the CEs were filled, not left idle
+    assert {wid: ce.scheduler.num_preemptions for wid, ce in ces.items()} == preemptions
     _assert_at_rest(view)
 
 

@@ -3,7 +3,7 @@
 from deepinfer_core.outputs import CompletionOutput
 from deepinfer_core.sampling_params import SamplingParams
 from services.common.deltas import OutputDiffer, SampleAssembler, SampleDelta
-from services.router.decode_policy import DecodeCandidate, DecodePolicy
+from services.router.decode_policy import DecodeCandidate, DecodePolicy, blocks_for
 from services.router.fanout import split_samples
 from services.router.prefill_policy import PrefillCandidate, PrefillPolicy
 
@@ -21,16 +21,24 @@ def test_prefill_policy_buckets_by_length_then_least_queued():
     assert policy.pick(10, []) is None
 
 
-def test_decode_policy_weighs_requests_and_kv_tokens_and_skips_full_engines():
+def test_decode_policy_weighs_requests_and_kv_blocks_and_skips_full_engines():
     policy = DecodePolicy()
-    a = DecodeCandidate("a", running=10, kv_tokens=1000, capacity_tokens=10_000, max_running=100)
-    b = DecodeCandidate("b", running=2, kv_tokens=8000, capacity_tokens=10_000, max_running=100)
-    c = DecodeCandidate("c", running=30, kv_tokens=500, capacity_tokens=10_000, max_running=100)
+    a = DecodeCandidate("a", running=10, kv_blocks=100, capacity_blocks=1000, max_running=100, block_size=10)
+    b = DecodeCandidate("b", running=2, kv_blocks=800, capacity_blocks=1000, max_running=100, block_size=10)
+    c = DecodeCandidate("c", running=30, kv_blocks=50, capacity_blocks=1000, max_running=100, block_size=10)
     assert policy.pick(100, [a, b, c]) == "a"  # b holds most KV, c most requests
-    assert policy.pick(9200, [a, b, c]) == "c"  # only c has room for that many tokens
+    assert policy.pick(9200, [a, b, c]) == "c"  # only c has the blocks for that many tokens
     assert policy.pick(9800, [a, b, c]) is None
-    full = DecodeCandidate("d", running=4, kv_tokens=0, capacity_tokens=10_000, max_running=4)
+    full = DecodeCandidate("d", running=4, kv_blocks=0, capacity_blocks=1000, max_running=4, block_size=10)
     assert policy.pick(1, [full]) is None
+
+
+def test_decode_policy_counts_whole_blocks_not_tokens():
+    """17 tokens take 3 blocks of 8: an engine with 2 free blocks (16 free token slots) is full for it."""
+    policy = DecodePolicy()
+    ce = DecodeCandidate("ce", running=42, kv_blocks=126, capacity_blocks=128, max_running=256, block_size=8)
+    assert policy.pick(17, [ce]) is None and policy.pick(16, [ce]) == "ce"
+    assert blocks_for(17, 8) == 3 and blocks_for(16, 8) == 2 and blocks_for(0, 8) == 0
 
 
 def test_split_samples_gives_each_sample_its_seed():

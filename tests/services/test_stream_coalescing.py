@@ -57,6 +57,25 @@ def test_the_merge_folds_each_streams_waiting_deltas_into_one():
     ]
 
 
+def test_the_merge_folds_each_sample_apart_when_one_stream_carries_several():
+    """A gateway's stream is one prompt's, with its n samples interleaved: waiting deltas are folded
+    per sample, never one sample's text spliced into another's."""
+    interleaved = [
+        SampleDelta(index=j % 2, token_offset=j // 2, token_ids=[j], text_offset=j // 2, text="xy"[j % 2])
+        for j in range(6)
+    ]
+
+    async def run():
+        return [item async for item in merge([_queued(interleaved), _queued(_tokens(1, 2))])]
+
+    got = _run(run())
+    assert [(i, d.index, d.token_ids, d.text) for i, d in got] == [
+        (0, 0, [0, 2, 4], "xxx"),
+        (0, 1, [1, 3, 5], "yyy"),
+        (1, 0, [100, 101], "ab"),
+    ]
+
+
 def test_a_failure_is_not_folded_and_a_stream_error_comes_after_what_came_before_it():
     failed = SampleDelta(token_offset=2, text_offset=2, finish_reason="error", error="engine died")
 

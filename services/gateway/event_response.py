@@ -1,0 +1,75 @@
+"""The HTTP response of a streamed completion: its SSE events written straight to the server.
+
+Starlette's `StreamingResponse` passes every chunk down through each middleware's `send` wrapper
+(each one only watches for the response to start) and runs the body in an anyio task group beside
+a disconnect listener; per streamed token that cost more than building the chunk. `EventStream`
+sends the response start through the `send` it is given, so every middleware sees the response
+begin, then each event through the server's own `send`, which `EventStreamApp` leaves in the scope
+(`SERVER_SEND`). The bytes, the headers and the chunked framing are the server's, as before.
+
+The events are pumped in a task of their own, beside one that reads `receive`: the client leaving
+cancels the pump, whose generators end there (their `finally`s abort the request upstream). The admitted work is let go
+once the response is over, whether the stream ran to its end, failed, or never started.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+from fastapi import FastAPI
+from starlette.responses import StreamingResponse
+
+SERVER_SEND = "deepinfer.server_send"
+"""Scope key: the HTTP server's own `send`, outside every middleware."""
+
+
+class EventStreamApp(FastAPI):
+    """The FastAPI app, leaving the server's `send` in each HTTP request's scope for `EventStream`."""
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http":
+            scope[SERVER_SEND] = send
+        await super().__call__(scope, receive, send)
+
+
+class EventStream(StreamingResponse):
+    """`text/event-stream` of `events`; `on_end()` once the response is over."""
+
+    def __init__(self, events: AsyncIterator[bytes], on_end):
+        super().__init__(events, media_type="text/event-stream")
+        self._on_end = on_end
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await self._stream(scope, receive, send)
+        finally:
+            self._on_end()
+
+    async def _stream(self, scope, receive, send) -> None:
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        # in tasks of their own: each wake-up resumes the stream's frames, not every ASGI layer's above it
+        pump = asyncio.ensure_future(self._pump(scope.get(SERVER_SEND, send)))  # no SERVER_SEND: a test client
+        listener = asyncio.ensure_future(_until_disconnect(receive))
+        try:
+            await asyncio.wait((pump, listener), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            listener.cancel()
+            pump.cancel()  # the client left first (or this request is cancelled); nothing once it is done
+            await asyncio.wait((pump,))
+        if not pump.cancelled() and pump.exception() is not None:
+            raise pump.exception()
+
+    async def _pump(self, send) -> None:
+        events = self.body_iterator
+        try:
+            async for event in events:
+                await send({"type": "http.response.body", "body": event, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        finally:
+            await events.aclose()  # its clean-up now (an abort upstream), not whenever it is collected
+
+
+async def _until_disconnect(receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass

@@ -1,0 +1,106 @@
+"""`EventStream`, the streamed completions' HTTP response, over a hand-driven ASGI connection: the
+events go out through the server's own `send` once the start went through the app's, the body
+ends properly, the client leaving ends the event generator (its clean-up runs) at once, and the
+admitted work is let go in every case."""
+
+import asyncio
+
+import pytest
+
+from services.gateway.event_response import SERVER_SEND, EventStream
+
+
+class _Connection:
+    def __init__(self):
+        self.app_sent: list[dict] = []
+        self.server_sent: list[dict] = []
+        self.left = asyncio.Event()
+
+    async def app_send(self, message):
+        self.app_sent.append(message)
+
+    async def server_send(self, message):
+        self.server_sent.append(message)
+
+    async def receive(self):
+        await self.left.wait()
+        return {"type": "http.disconnect"}
+
+    def scope(self) -> dict:
+        return {"type": "http", SERVER_SEND: self.server_send}
+
+
+def _run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 10))
+
+
+def test_events_go_through_the_server_send_and_the_body_ends():
+    async def events():
+        yield b"data: 1\n\n"
+        yield b"data: [DONE]\n\n"
+
+    async def run():
+        conn, ended = _Connection(), []
+        await EventStream(events(), on_end=lambda: ended.append(True))(conn.scope(), conn.receive, conn.app_send)
+        return conn, ended
+
+    conn, ended = _run(run())
+    assert [m["type"] for m in conn.app_sent] == ["http.response.start"]
+    assert (b"content-type", b"text/event-stream; charset=utf-8") in conn.app_sent[0]["headers"]
+    assert [(m["body"], m["more_body"]) for m in conn.server_sent] == [
+        (b"data: 1\n\n", True),
+        (b"data: [DONE]\n\n", True),
+        (b"", False),
+    ]
+    assert ended == [True]
+
+
+def test_the_client_leaving_ends_the_generator_and_lets_go_of_the_work():
+    async def run():
+        conn, ended, cleaned = _Connection(), [], asyncio.Event()
+
+        async def events():
+            try:
+                yield b"data: 1\n\n"
+                await asyncio.sleep(60)  # waiting for a token that never comes
+                yield b"data: 2\n\n"
+            finally:
+                cleaned.set()  # where the request is aborted upstream
+
+        response = EventStream(events(), on_end=lambda: ended.append(True))
+        call = asyncio.ensure_future(response(conn.scope(), conn.receive, conn.app_send))
+        await asyncio.sleep(0.05)
+        conn.left.set()
+        await call  # ends without raising: the response is over
+        return conn, ended, cleaned.is_set()
+
+    conn, ended, cleaned = _run(run())
+    assert cleaned and ended == [True]
+    assert [m["body"] for m in conn.server_sent] == [b"data: 1\n\n"]
+
+
+def test_a_failing_generator_raises_and_still_lets_go():
+    async def events():
+        yield b"data: 1\n\n"
+        raise RuntimeError("bug")
+
+    async def run():
+        conn, ended = _Connection(), []
+        with pytest.raises(RuntimeError, match="bug"):
+            await EventStream(events(), on_end=lambda: ended.append(True))(conn.scope(), conn.receive, conn.app_send)
+        return ended
+
+    assert _run(run()) == [True]
+
+
+def test_without_a_server_send_the_app_send_carries_the_body():
+    async def events():
+        yield b"data: 1\n\n"
+
+    async def run():
+        conn = _Connection()
+        await EventStream(events(), on_end=lambda: None)({"type": "http"}, conn.receive, conn.app_send)
+        return conn
+
+    conn = _run(run())
+    assert [m["type"] for m in conn.app_sent] == ["http.response.start", "http.response.body", "http.response.body"]

@@ -61,7 +61,7 @@ class Cluster:
 
     def _start_worker(self, pool: str, worker_id: str) -> Child:
         o = self.options
-        args = ["--router", self.router_address, "--cluster-token", self.cluster_token]
+        args = ["--router", self.router_address, f"--cluster-token={self.cluster_token}"]  # a token may start with "-"
         args += ["--worker-id", worker_id, "--pool", pool]
         args += ["--step-ms", str(o.step_ms), "--tokens-per-step", str(o.tokens_per_step)]
         return self.children.start(worker_id, "benchmarks.service_layer_worker", args)

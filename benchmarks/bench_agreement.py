@@ -51,7 +51,24 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--input-len", type=int, default=64)
     p.add_argument("--output-len", type=int, default=32)
     p.add_argument("--json", default=None, help="write every figure here")
+    p.add_argument(
+        "--server-cpus",
+        type=_cpus,
+        default=None,
+        help="CPUs of the started server's processes, e.g. 0 or 0-7 (with --client-cpus: the instruments "
+        "then never share cores with the server they measure)",
+    )
+    p.add_argument("--client-cpus", type=_cpus, default=None, help="CPUs of both instruments' processes, e.g. 1")
     return p.parse_args(argv)
+
+
+def _cpus(text: str) -> set[int]:
+    """'0', '0-3' or '0,2,4-5' as a set of CPU numbers."""
+    cpus: set[int] = set()
+    for part in text.split(","):
+        lo, _, hi = part.partition("-")
+        cpus.update(range(int(lo), int(hi or lo) + 1))
+    return cpus
 
 
 def run_deepinfer(args, url: str, out_dir: str, tag: str) -> dict[str, float]:
@@ -143,16 +160,24 @@ def summary(rows: list[dict]) -> dict[str, float]:
     return {"ttft_ratio": ttft, "throughput_ratio": tput, "e2el_ratio": e2e, "agree": agree}
 
 
+def _show(cpus: Optional[set[int]]) -> str:
+    return ",".join(map(str, sorted(cpus))) if cpus else "all"
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="bench-agreement-") as out_dir:
         server: Optional[LaunchedServer] = None
         url = args.base_url
+        everywhere = os.sched_getaffinity(0)
         if url is None:
+            if args.server_cpus:  # the server's processes (Ray's included) inherit this
+                os.sched_setaffinity(0, args.server_cpus)
             server = LaunchedServer(
                 parse_config(args.config), args.serve_args.split(), os.path.join(out_dir, "serve.log")
             )
             url = server.wait_ready(600)
+        os.sched_setaffinity(0, args.client_cpus or everywhere)  # the instruments' processes inherit this
         try:
             rows = rounds(args, url.rstrip("/"), out_dir)
         finally:
@@ -161,7 +186,8 @@ def main(argv=None) -> int:
     result = summary(rows)
     print(
         f"\n`deepinfer bench serve` vs guidellm: concurrency {args.concurrency}, {args.num_prompts} requests of "
-        f"{args.input_len} -> {args.output_len} tokens, {url}\n"
+        f"{args.input_len} -> {args.output_len} tokens, {url}; server CPUs {_show(args.server_cpus)}, "
+        f"client CPUs {_show(args.client_cpus)}\n"
     )
     print(
         "| round | first | TTFT p50 deepinfer / guidellm (ms) | ratio | output tok/s deepinfer / guidellm | ratio "

@@ -203,7 +203,9 @@ def main(argv=None) -> int:
     )
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"config": vars(args), "rounds": rows, "summary": result}, f, indent=1)
+            json.dump(
+                {"config": vars(args), "rounds": rows, "summary": result}, f, indent=1, default=sorted
+            )  # CPU sets
     return 0
 
 

@@ -40,7 +40,7 @@ class _Lease:
 
 class EmbeddingPool:
     def __init__(self, slot_shape: tuple[int, int], dtype: torch.dtype, capacity_bytes: int, lease_s: float = 30.0):
-        from deepinfer_core.transfer.nixl_agent import _progress_thread_delay
+        from deepinfer_core.transfer.agent_settings import progress_thread_delay
         from deepinfer_core.transfer.nixl_variant import api  # lazy: only an encoder process parks embeddings
 
         nixl_agent, nixl_agent_config = api().nixl_agent, api().nixl_agent_config
@@ -54,7 +54,7 @@ class EmbeddingPool:
         self.name = f"ve-{uuid.uuid4().hex[:8]}"
         # readers' notices are answered by the progress thread at once (a poll between batches would
         # delay the lease's release by up to a batch); paused between rounds like the KV agents'
-        with _progress_thread_delay(envs.DEEPINFER_NIXL_PROGRESS_DELAY_US):
+        with progress_thread_delay(envs.DEEPINFER_NIXL_PROGRESS_DELAY_US):
             self._agent = nixl_agent(self.name, nixl_agent_config(enable_prog_thread=True, backends=["UCX"]))
         self._reg = self._agent.register_memory(self.buffer)
         self.metadata: bytes = self._agent.get_agent_metadata()

@@ -22,7 +22,7 @@ from deepinfer_core.multimodal.embedding_pool import READ_MARGIN_S
 
 class EmbeddingReader:
     def __init__(self, num_slots: int = 8, device: str = "cpu"):
-        from deepinfer_core.transfer.nixl_agent import _progress_thread_delay
+        from deepinfer_core.transfer.agent_settings import progress_thread_delay
         from deepinfer_core.transfer.nixl_variant import api  # lazy: only engines that read embeddings
 
         nixl_agent, nixl_agent_config = api().nixl_agent, api().nixl_agent_config
@@ -30,7 +30,7 @@ class EmbeddingReader:
         self.name = f"mm-{uuid.uuid4().hex[:8]}"
         self.num_slots = num_slots
         self.device = device
-        with _progress_thread_delay(envs.DEEPINFER_NIXL_PROGRESS_DELAY_US):
+        with progress_thread_delay(envs.DEEPINFER_NIXL_PROGRESS_DELAY_US):
             self._agent = nixl_agent(self.name, nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
         self._peers: set[str] = set()
         self._buffer: torch.Tensor | None = None  # [num_slots, slot_bytes] uint8, registered once

@@ -172,7 +172,7 @@ class PromptEngine(LLMEngine):
         self._deferred = [d for d in self._deferred if d[0].request_id != request_id]
         stream = self._streams.pop(request_id, None)
         if stream is not None:
-            self._wait_all(stream)
+            stream.wait_all(self.agent, self.transfer_timeout_s)
         super().abort_request(request_id)
         target = self.targets.pop(request_id, None)
         if target is not None:
@@ -256,7 +256,7 @@ class PromptEngine(LLMEngine):
         """The request of `_post`'s WRITE, made but not posted; None when there is nothing to send
         or the request has failed (its error recorded)."""
         target = pending.target
-        if pending.error is not None or upto <= pending.sent_blocks or self._expired(pending):
+        if pending.error is not None or upto <= pending.sent_blocks or pending.expired():
             return None
         first, blocks = pending.sent_blocks, pending.seq.block_table
         try:
@@ -277,7 +277,7 @@ class PromptEngine(LLMEngine):
     def _submit(self, pending: PendingWrite, write: Optional[PreparedWrite], upto: int, advance: bool) -> None:
         if write is None:
             return
-        if pending.error is not None or self._expired(pending):  # an earlier group failed, or the lease ran out
+        if pending.error is not None or pending.expired():  # an earlier group failed, or the lease ran out
             self.agent.discard(write)
             return
         try:
@@ -289,27 +289,10 @@ class PromptEngine(LLMEngine):
         pending.sent_blocks = upto if advance else pending.sent_blocks
         pending.first_post = pending.first_post or transfer.started
 
-    @staticmethod
-    def _expired(pending: PendingWrite) -> bool:
-        if pending.target.expires_at and time.time() > pending.target.expires_at:
-            pending.error = pending.error or "the KV reservation expired before the prefill finished"
-            return True
-        return False
-
-    def _wait_all(self, pending: PendingWrite) -> None:
-        """Wait for every posted write of the request; the first failure is its error."""
-        for transfer in pending.transfers:
-            try:
-                self.agent.wait(transfer, self.transfer_timeout_s)
-                pending.num_bytes += transfer.num_bytes
-            except TransferError as e:
-                pending.error = pending.error or str(e)
-        pending.transfers = []
-
     def pe_do_save_kvcache(self, scheduled: list[Sequence], finished: list[Sequence]) -> None:
         for pending in self._inflight:
             if pending.transfers:
-                self._wait_all(pending)
+                pending.wait_all(self.agent, self.transfer_timeout_s)
                 done = time.monotonic()
                 pending.seconds, pending.exposed_seconds = done - pending.first_post, done - pending.last_post
             self._done.append(pending)

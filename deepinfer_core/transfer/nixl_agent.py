@@ -29,12 +29,10 @@ code".
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import time
 import uuid
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -42,6 +40,7 @@ import torch
 
 from deepinfer_core import envs
 from deepinfer_core.errors import TransferError
+from deepinfer_core.transfer.agent_settings import keep_one_libibverbs, progress_thread_delay, wants_progress_thread
 from deepinfer_core.transfer.layout import KVLayout
 from deepinfer_core.transfer.messages import KVRegion
 
@@ -73,7 +72,7 @@ class NixlKVAgent:
         self, name_prefix: str, kv_buffer: torch.Tensor, layout: KVLayout, backend: str = "UCX", sends: bool = False
     ):
         """`sends`: this agent writes KV to peers (a PE), which decides its progress thread."""
-        _keep_one_libibverbs()
+        keep_one_libibverbs()
         from deepinfer_core.transfer.nixl_variant import api  # lazy: engines without P/D never import nixl
 
         nixl_agent, nixl_agent_config = api().nixl_agent, api().nixl_agent_config
@@ -85,14 +84,14 @@ class NixlKVAgent:
         self.device_id = (kv_buffer.device.index or 0) if kv_buffer.is_cuda else 0
         self.base_addr = kv_buffer.data_ptr()
         self.num_blocks_total = int(kv_buffer.shape[1])
-        self.progress_thread = _wants_progress_thread(self.mem_type, sends)
+        self.progress_thread = wants_progress_thread(self.mem_type, sends)
         if sends and self.mem_type == "VRAM":
             # UCX's scatter-gather offload posts a write's per-layer runs as one batched copy: the
             # post call is shorter, the bandwidth of whole hand-offs unchanged (docs/benchmarks.md,
             # "Figures formerly in code"). NIXL reads this when the backend is made. A value the
             # operator set wins.
             os.environ.setdefault("NIXL_UCX_SGL_ENABLE", "1")
-        with _progress_thread_delay(envs.DEEPINFER_NIXL_PROGRESS_DELAY_US):
+        with progress_thread_delay(envs.DEEPINFER_NIXL_PROGRESS_DELAY_US):
             config = nixl_agent_config(enable_prog_thread=self.progress_thread, backends=[backend])
             self._agent = nixl_agent(self.name, config)
         self._notifs: list[tuple[str, bytes]] = []  # read while driving progress, not yet taken
@@ -348,55 +347,3 @@ class NixlKVAgent:
         if self._reg is not None:
             self._agent.deregister_memory(self._reg)
             self._reg = None
-
-
-def _keep_one_libibverbs() -> None:
-    """Keep UCX's EFA module out (unless the operator chose UCX's modules): the NIXL wheel bundles
-    libibverbs, but its UCX `ib_efa` module links the system's libefa and libibverbs. Where the
-    RDMA packages are installed (libibverbs1, ibverbs-providers: every InfiniBand/RoCE node) that
-    module loads, two copies of libibverbs share the process, and it dies with SIGSEGV at exit. UCX
-    reads this when its library loads, at the first agent's backend; EFA hosts use NIXL's libfabric
-    backend, not this module."""
-    os.environ.setdefault("UCX_MODULES", "^efa")
-
-
-def _wants_progress_thread(mem_type: str, sends: bool) -> bool:
-    setting = envs.DEEPINFER_NIXL_PROGRESS_THREAD.strip().lower()
-    if setting in ("", "auto"):
-        return not (sends and mem_type == "VRAM")
-    if setting in ("1", "true", "yes", "on"):
-        return True
-    if setting in ("0", "false", "no", "off"):
-        return False
-    raise ValueError(f"DEEPINFER_NIXL_PROGRESS_THREAD must be auto, 1 or 0, not {setting!r}")
-
-
-@contextlib.contextmanager
-def _progress_thread_delay(delay_us: int) -> Iterator[None]:
-    """Agents made inside the block pause `delay_us` between progress-thread rounds.
-
-    nixl's Python agent fixes the pause at 0: its progress thread spins, a whole core per engine
-    process even when idle, and two spinning agents on a small machine starved the engines so much
-    that a small write + notice + reply took many times longer than with a short pause
-    (docs/benchmarks.md, "Figures formerly in code"). Transfers do not wait for the thread: polling a
-    transfer or the notices drives progress on the calling thread. The knob is a config field the
-    Python wrapper does not expose, so its config class is swapped for one that keeps our value
-    while the agent is built (the bindings' own class is restored on exit).
-    """
-    from deepinfer_core.transfer.nixl_variant import api as nixl_api
-
-    api = nixl_api()
-    base = api.nixlBind.nixlAgentConfig
-    if delay_us <= 0:
-        yield
-        return
-
-    class _Config(base):
-        def __setattr__(self, name: str, value) -> None:
-            super().__setattr__(name, max(int(value), delay_us) if name == "pthrDelay" else value)
-
-    api.nixlBind.nixlAgentConfig = _Config
-    try:
-        yield
-    finally:
-        api.nixlBind.nixlAgentConfig = base

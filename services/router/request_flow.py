@@ -31,22 +31,12 @@ from services.router.encode_step import EncodeStep
 from services.router.lease_keeper import LeaseKeeper
 from services.router.local_prefill import local_prefill
 from services.router.migration import SampleProgress, StreamBroken
+from services.router.prefill_retry import BLAMES_THE_CE, RETRIED_PREFILL, RetryPrefill
 from services.router.prefix_index import chunk_hashes
 from services.router.registry import WorkerHandle
 
 logger = logging.getLogger(__name__)
 
-_RETRIED_PREFILL = frozenset(
-    {
-        ErrorCode.UNAVAILABLE,  # the PE is gone or draining
-        ErrorCode.RESOURCE_EXHAUSTED,  # the PE has no room now
-        ErrorCode.FAILED_PRECONDITION,  # the PE refused the CE's target: a fresh reservation may do
-        ErrorCode.INTERNAL,  # the KV transfer failed
-    }
-)
-"""Prefill failures that may succeed on another PE (or CE); any other code ends the request."""
-_BLAMES_THE_CE = (ErrorCode.INTERNAL, ErrorCode.FAILED_PRECONDITION)
-"""The PE answered but the hand-off failed (transfer error, stale lease): the CE is suspect."""
 _UNCERTAIN = (ErrorCode.DEADLINE_EXCEEDED, ErrorCode.UNAVAILABLE, ErrorCode.INTERNAL, ErrorCode.CANCELLED)
 """A call that failed this way may have done its work on the worker: undo it (a refusal did nothing)."""
 
@@ -190,7 +180,7 @@ class SampleFlow:
                     first = await self._prefill(sub_id, prompt, params, kv_target, tried_pe, images)
                 finally:
                     lease.stop()
-            except _RetryPrefill as retry:
+            except RetryPrefill as retry:
                 last_error = retry.error
                 lost = EMBEDDINGS_UNAVAILABLE in retry.error.message  # the encoder's lease, not the PE, failed
                 lost_embeds += lost
@@ -285,13 +275,13 @@ class SampleFlow:
         try:
             result = await pe.client.prefill(sub_id, prompt, params, kv_target, timeout, images)
         except ServiceError as e:  # `_end_reservation` aborts it on the PE (then the CE)
-            if e.code not in _RETRIED_PREFILL:
+            if e.code not in RETRIED_PREFILL:
                 raise
             if e.code == ErrorCode.UNAVAILABLE:
                 self.router.suspect(pe)
             embeds_lost = EMBEDDINGS_UNAVAILABLE in e.message  # the encoder's side, not the CE's
-            decode_side = self._ce_id if e.code in _BLAMES_THE_CE and not embeds_lost else ""
-            raise _RetryPrefill(e, pe.worker_id, decode_side) from None
+            decode_side = self._ce_id if e.code in BLAMES_THE_CE and not embeds_lost else ""
+            raise RetryPrefill(e, pe.worker_id, decode_side) from None
         finally:
             self._release(pe, len(prompt))
         m.QUEUE_TIME.labels(self.router.model).observe(result.queue_seconds + (self._dispatched - self.arrival))
@@ -388,13 +378,3 @@ class SampleFlow:
         worker.inflight_tokens -= tokens
         worker.inflight_blocks -= blocks_for(tokens, worker.info.block_size)
         self.router.registry.released(worker)
-
-
-class _RetryPrefill(Exception):
-    def __init__(self, error: ServiceError, worker_id: str, decode_side: str):
-        super().__init__(error.message)
-        self.error = error
-        self.worker_id = worker_id
-        """The PE that failed."""
-        self.decode_side = decode_side
-        """The CE to blame instead of the PE ("" = the PE's fault)."""

@@ -9,8 +9,9 @@ from tests.helpers.nixl import require_nixl  # noqa: E402
 
 require_nixl()
 
+from deepinfer_core.transfer.agent_settings import progress_thread_delay  # noqa: E402
 from deepinfer_core.transfer.layout import KVLayout  # noqa: E402
-from deepinfer_core.transfer.nixl_agent import NixlKVAgent, _progress_thread_delay  # noqa: E402
+from deepinfer_core.transfer.nixl_agent import NixlKVAgent  # noqa: E402
 
 
 def test_the_config_keeps_our_pause_while_the_agent_is_built():
@@ -19,7 +20,7 @@ def test_the_config_keeps_our_pause_while_the_agent_is_built():
     api = nixl_api()
 
     base = api.nixlBind.nixlAgentConfig
-    with _progress_thread_delay(250):
+    with progress_thread_delay(250):
         config = api.nixlBind.nixlAgentConfig()
         config.pthrDelay = 0  # what nixl's Python agent sets
         assert config.pthrDelay == 250

@@ -11,7 +11,7 @@ require_nixl()
 
 from benchmarks.pd_harness import PDPair  # noqa: E402
 from deepinfer_core import envs  # noqa: E402
-from deepinfer_core.transfer.nixl_agent import _wants_progress_thread  # noqa: E402
+from deepinfer_core.transfer.agent_settings import wants_progress_thread  # noqa: E402
 from tests.helpers.pd import ENGINE_ARGS, greedy, normal_reference, wait_free_blocks  # noqa: E402
 
 
@@ -28,13 +28,13 @@ from tests.helpers.pd import ENGINE_ARGS, greedy, normal_reference, wait_free_bl
 )
 def test_who_gets_a_progress_thread(monkeypatch, setting, mem, sends, want):
     monkeypatch.setattr(envs, "DEEPINFER_NIXL_PROGRESS_THREAD", setting)
-    assert _wants_progress_thread(mem, sends) is want
+    assert wants_progress_thread(mem, sends) is want
 
 
 def test_a_bad_setting_is_refused(monkeypatch):
     monkeypatch.setattr(envs, "DEEPINFER_NIXL_PROGRESS_THREAD", "sometimes")
     with pytest.raises(ValueError, match="auto, 1 or 0"):
-        _wants_progress_thread("DRAM", True)
+        wants_progress_thread("DRAM", True)
 
 
 @pytest.fixture(scope="module")

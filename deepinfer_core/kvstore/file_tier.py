@@ -163,12 +163,7 @@ class FileTier:
         return out
 
     def _check(self, key: bytes, slot: int) -> str | None:
-        """What is wrong with the frame read into `slot` (None: it is sound)."""
-        try:
-            frame.verify(self.pool.frame(slot), key, self.namespace)
-        except frame.CorruptEntry as e:
-            return str(e)
-        return None
+        return frame.problem(self.pool.frame(slot), key, self.namespace)
 
     def _open_prefix(self, keys: list[bytes], fds: list[int], out: IOResult) -> None:
         """Open the files of `keys` from the first, up to the first one missing or of the wrong size."""

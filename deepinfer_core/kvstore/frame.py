@@ -75,3 +75,12 @@ def verify(slot: memoryview, key: bytes, namespace: bytes) -> None:
         raise CorruptEntry("the entry belongs to another model or KV layout")
     if checksum(slot[HEADER_BYTES:], algorithm) != got_sum:
         raise CorruptEntry("checksum mismatch")
+
+
+def problem(slot: memoryview, key: bytes, namespace: bytes) -> str | None:
+    """What is wrong with the frame in `slot` for block `key` (None: it is sound)."""
+    try:
+        verify(slot, key, namespace)
+    except CorruptEntry as e:
+        return str(e)
+    return None

@@ -266,20 +266,15 @@ class ObjectTier:
             out.ok += 1
         if out.ok:
             hits = job.keys[: out.ok]
-            self.ledger.add(
-                hits, self.pool.frame_bytes
-            )  # the most recently used now (and known, if another wrote them)
+            # the most recently used now (and known, if another engine wrote them)
+            self.ledger.add(hits, self.pool.frame_bytes)
             self._recent.update(hits)
         out.finished = time.monotonic()
         out.total_bytes = self.ledger.total
         return out
 
     def _check(self, key: bytes, slot: int) -> str | None:
-        try:
-            frame.verify(self.pool.frame(slot), key, self.namespace)
-        except frame.CorruptEntry as e:
-            return str(e)
-        return None
+        return frame.problem(self.pool.frame(slot), key, self.namespace)
 
     def _drop_corrupt(self, key: bytes, why: str, out: IOResult) -> None:
         logger.warning("KV store entry %s is corrupt (%s): deleted, its blocks are recomputed", key.hex(), why)

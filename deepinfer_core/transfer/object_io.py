@@ -26,7 +26,7 @@ from urllib.parse import urlparse
 
 import torch
 
-from deepinfer_core.transfer.storage_io import StorageError, _quietly
+from deepinfer_core.transfer.storage_io import StorageError, _quietly, run_transfer
 
 logger = logging.getLogger(__name__)
 
@@ -109,15 +109,7 @@ class NixlObjectIO:
         handle = None
         try:
             handle = agent.initialize_xfer("WRITE", self._local(items), self._remote(items), agent.name)
-            state = agent.transfer(handle)
-            deadline = time.monotonic() + timeout_s
-            while state == "PROC":
-                if time.monotonic() > deadline:
-                    raise StorageError(f"NIXL WRITE of {len(items)} objects did not finish in {timeout_s:.1f}s")
-                time.sleep(0.0005)
-                state = agent.check_xfer_state(handle)
-            if state != "DONE":
-                raise StorageError(f"NIXL WRITE of {len(items)} objects failed ({state})")
+            run_transfer(agent, handle, f"NIXL WRITE of {len(items)} objects", timeout_s, 0.0005)
         except StorageError:
             raise
         except Exception as e:  # NIXL_ERR_BACKEND: a PUT failed

@@ -96,15 +96,7 @@ class NixlFileIO:
             local = agent.get_xfer_descs([(addr, n, 0) for addr, n, _ in items], "DRAM")
             remote = agent.get_xfer_descs([(0, n, fd) for _, n, fd in items], "FILE")
             handle = agent.initialize_xfer(op, local, remote, agent.name)
-            state = agent.transfer(handle)
-            deadline = time.monotonic() + timeout_s
-            while state == "PROC":
-                if time.monotonic() > deadline:
-                    raise StorageError(f"NIXL {op} of {len(items)} files did not finish in {timeout_s:.1f}s")
-                time.sleep(0.0002)
-                state = agent.check_xfer_state(handle)
-            if state != "DONE":
-                raise StorageError(f"NIXL {op} of {len(items)} files failed ({state})")
+            run_transfer(agent, handle, f"NIXL {op} of {len(items)} files", timeout_s, 0.0002)
         except StorageError:
             raise
         except Exception as e:  # NIXL_ERR_BACKEND: an I/O error or a short read in the batch
@@ -118,6 +110,20 @@ class NixlFileIO:
         if self._reg is not None:
             _quietly(self._agent.deregister_memory, self._reg)
             self._reg = None
+
+
+def run_transfer(agent, handle, what: str, timeout_s: float, poll_s: float) -> None:
+    """Post a prepared transfer of this process's agent and wait until it is done; a failure or the
+    deadline is a `StorageError` naming `what`."""
+    state = agent.transfer(handle)
+    deadline = time.monotonic() + timeout_s
+    while state == "PROC":
+        if time.monotonic() > deadline:
+            raise StorageError(f"{what} did not finish in {timeout_s:.1f}s")
+        time.sleep(poll_s)
+        state = agent.check_xfer_state(handle)
+    if state != "DONE":
+        raise StorageError(f"{what} failed ({state})")
 
 
 def open_file_io(backend: str, name_prefix: str, buffer: torch.Tensor):

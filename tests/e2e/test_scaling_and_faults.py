@@ -1,10 +1,8 @@
 """`deepinfer scale` up and down while requests stream (none lost, pools report the new sizes),
 and stage failures: a dead PE is retried around and replaced, a dead CE's streams migrate."""
 
-import json
 import os
 import signal
-import threading
 
 import grpc
 import httpx
@@ -12,6 +10,7 @@ import pytest
 
 from proto import common_pb2, gateway_pb2_grpc
 from tests.helpers.cluster import SMALL_ENGINE, ServeProcess, wait_until
+from tests.helpers.faults import Streams
 
 
 @pytest.fixture(scope="module")
@@ -31,47 +30,16 @@ def _pool_sizes(serve) -> dict[int, int]:
     return {p.pool: len(p.workers) for p in _status(serve).pools}
 
 
-class Streams:
-    """`count` streaming completions in threads; records each one's tokens and finish reason."""
-
-    def __init__(self, serve, count: int, max_tokens: int):
-        self.results: list = [None] * count
-        self.chunks = [0] * count
-        body = {"prompt": "scale me", "max_tokens": max_tokens, "stream": True, "ignore_eos": True}
-        self.threads = [threading.Thread(target=self._run, args=(serve, i, body)) for i in range(count)]
-        for t in self.threads:
-            t.start()
-
-    def _run(self, serve, i, body):
-        reasons, text, errors = [], "", []
-        try:
-            with httpx.stream("POST", f"{serve.base_url}/completions", json=body, timeout=300) as r:
-                for line in r.iter_lines():
-                    if not line.startswith("data: {"):
-                        continue
-                    chunk = json.loads(line[6:])
-                    if "error" in chunk:
-                        errors.append(chunk["error"]["message"])
-                        continue
-                    text += chunk["choices"][0]["text"]
-                    self.chunks[i] += 1
-                    reasons += [c["finish_reason"] for c in chunk["choices"] if c["finish_reason"]]
-        except Exception as e:
-            errors.append(repr(e))
-        self.results[i] = (reasons, errors)
-
-    def join(self):
-        for t in self.threads:
-            t.join(300)
-        return self.results
+def _streams(serve, count: int, max_tokens: int) -> Streams:
+    return Streams(serve, ["scale me"] * count, max_tokens, ignore_eos=True)
 
 
 def test_scale_up_and_down_while_streaming_loses_nothing(serve):
-    streams = Streams(serve, 8, max_tokens=200)
+    streams = _streams(serve, 8, max_tokens=200)
     r = serve.cli("scale", "--prefill", "2", "--decode", "2")
     assert r.returncode == 0, r.stderr
     assert "prefill pool: 2 worker(s), target 2" in r.stdout and "decode pool: 2 worker(s), target 2" in r.stdout
-    more = Streams(serve, 8, max_tokens=200)  # spread over the new workers too
+    more = _streams(serve, 8, max_tokens=200)  # spread over the new workers too
     wait_until(lambda: sum(w.inflight for p in _status(serve).pools for w in p.workers if p.pool == 3) >= 8, 30)
     r = serve.cli("scale", "--prefill", "1", "--decode", "1")  # drains while streams are running
     assert r.returncode == 0, r.stderr
@@ -106,7 +74,7 @@ def test_a_dead_prefill_engine_is_routed_around_and_replaced(serve):
 
 def test_a_dead_decode_engine_s_streams_migrate_and_finish(serve):
     assert serve.cli("scale", "--decode", "2").returncode == 0
-    streams = Streams(serve, 4, max_tokens=400)
+    streams = _streams(serve, 4, max_tokens=400)
     assert wait_until(lambda: min(streams.chunks) >= 2, timeout_s=120)  # all four are decoding
     decode = next(p for p in _status(serve).pools if p.pool == 3)
     victim = max(decode.workers, key=lambda w: w.inflight)

@@ -42,7 +42,7 @@ def test_a_decode_engine_killed_under_four_greedy_streams_loses_none_and_the_poo
     reference = [complete(serve, p, MAX_TOKENS, ignore_eos=True)["text"] for p in PROMPTS]
     restarts = serve.metric("deepinfer:worker_restarts_total", pool="decode")
     migrations = serve.metric("deepinfer:migrations_total")
-    streams = Streams(serve, PROMPTS, MAX_TOKENS, ignore_eos=True)
+    streams = Streams(serve, PROMPTS, MAX_TOKENS, ignore_eos=True, temperature=0)
     assert wait_until(lambda: min(streams.chunks) >= 2, timeout_s=120)  # all four are decoding
     victim = max(workers(serve, DECODE), key=lambda w: w.inflight)
     kill(victim)

@@ -15,6 +15,7 @@ import pytest
 
 from deepinfer_core import LLM, SamplingParams
 from tests.helpers.cluster import SMALL_ENGINE, ServeProcess, metric_value, wait_until
+from tests.helpers.faults import Streams
 
 PROMPTS = ["Hello, my name is", "The capital of France is", "x", "A much longer prompt " * 12] * 2
 MAX_TOKENS = 12
@@ -92,10 +93,8 @@ def _decode_ranks(serve) -> dict[str, list]:
 
 @pytest.mark.timeout(400)
 def test_scale_removes_and_adds_whole_instances(wide, served):
-    from tests.e2e.test_scaling_and_faults import Streams
-
     before = _decode_ranks(wide)
-    streams = Streams(wide, 4, max_tokens=60)  # the drained instance's streams finish first
+    streams = Streams(wide, ["scale me"] * 4, 60, ignore_eos=True)  # the drained instance's streams finish first
     r = wide.cli("scale", "--decode", "1")
     assert r.returncode == 0, r.stderr
     assert "decode pool: 1 instance(s) of 2 ranks (2 rank workers), target 1" in r.stdout, r.stdout
@@ -117,9 +116,8 @@ def test_a_killed_rank_fails_only_its_instance_which_is_replaced_while_the_other
     peer monitor ends its process, the controller sees a rank's actor die) and its streams end
     with an error; the other instance's streams finish whole, new requests succeed during the
     outage, and the controller replaces the broken instance whole."""
-    from tests.e2e.test_scaling_and_faults import Streams
 
-    streams = Streams(wide, 8, max_tokens=300)
+    streams = Streams(wide, ["scale me"] * 8, 300, ignore_eos=True)
     assert wait_until(lambda: min(streams.chunks) >= 2, timeout_s=120)  # all eight are decoding
     instances = _decode_ranks(wide)
     assert len(instances) == 2 and all(len(r) == 2 for r in instances.values()), instances

@@ -65,7 +65,7 @@ class Streams:
         self.results: list = [None] * len(prompts)
         self.threads = []
         for i, prompt in enumerate(prompts):
-            body = {"prompt": prompt, "max_tokens": max_tokens, "stream": True, "temperature": 0, **extra}
+            body = {"prompt": prompt, "max_tokens": max_tokens, "stream": True, **extra}
             self.threads.append(threading.Thread(target=self._run, args=(serve, i, body), daemon=True))
         for t in self.threads:
             t.start()

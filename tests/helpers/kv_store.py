@@ -48,6 +48,15 @@ def settle(store: KVStore, timeout_s: float = 30.0) -> None:
         store.poll(wait_s=0.01)
 
 
+def load_stored(store: KVStore, keys: list[bytes], blocks: list[int]):
+    """Look up `keys`, load the stored prefix into `blocks` and wait: (tiers found, blocks placed)."""
+    tiers = store.lookup(keys)
+    load = store.start_load(keys[: len(tiers)], tiers)
+    while not load.done:
+        store.poll(wait_s=0.01)
+    return tiers, store.finish_load(load, blocks)
+
+
 def entry_files(directory: str) -> list[str]:
     """Paths of the published entry files under a store directory, sorted."""
     return sorted(

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from deepinfer_core.kvstore.store import L2, L3
-from tests.helpers.kv_store import cpu_store, directory_bytes, entry_files, settle
+from tests.helpers.kv_store import cpu_store, directory_bytes, entry_files, load_stored, settle
 
 KEYS = [bytes([i]) * 16 for i in range(6)]
 
@@ -24,20 +24,12 @@ def _saved(tmp_path, backend, **kw):
     return writer
 
 
-def _load(store, keys, blocks):
-    tiers = store.lookup(keys)
-    load = store.start_load(keys[: len(tiers)], tiers)
-    while not load.done:
-        store.poll(wait_s=0.01)
-    return tiers, store.finish_load(load, blocks)
-
-
 def test_a_fresh_store_loads_the_saved_blocks_from_files(tmp_path, backend):
     writer = _saved(tmp_path, backend)
     assert writer.tier.io.name == backend
     assert len(entry_files(tmp_path)) == 6 and writer.stats().saved_blocks == 6
     reader = cpu_store(tmp_path, backend=backend)
-    tiers, placed = _load(reader, KEYS, [10, 11, 12, 13, 14, 15])
+    tiers, placed = load_stored(reader, KEYS, [10, 11, 12, 13, 14, 15])
     assert tiers == [L3] * 6 and placed == 6
     assert torch.equal(reader.kv[:, 10:16], writer.kv[:, 1:7])
     assert reader.lookup(KEYS) == [L2] * 6  # promoted
@@ -47,7 +39,7 @@ def test_a_fresh_store_loads_the_saved_blocks_from_files(tmp_path, backend):
 
 def test_l2_hits_copy_from_host_memory_without_io(tmp_path):
     store = _saved(tmp_path, "POSIX")
-    tiers, placed = _load(store, KEYS[:3], [20, 21, 22])
+    tiers, placed = load_stored(store, KEYS[:3], [20, 21, 22])
     assert tiers == [L2] * 3 and placed == 3 and torch.equal(store.kv[:, 20:23], store.kv[:, 1:4])
     assert store.stats().hit_tokens_l2 == 24 and store.stats().load_bytes_l3 == 0
 
@@ -79,7 +71,7 @@ def test_a_damaged_entry_ends_the_load_there_and_leaves_the_store(tmp_path, back
         os.truncate(path, os.path.getsize(path) // 2)
     reader = cpu_store(tmp_path, backend=backend)
     reader.kv.zero_()
-    _, placed = _load(reader, KEYS, [10, 11, 12, 13, 14, 15])
+    _, placed = load_stored(reader, KEYS, [10, 11, 12, 13, 14, 15])
     assert placed == 3 and torch.equal(reader.kv[:, 10:13], writer.kv[:, 1:4])
     assert not reader.kv[:, 13:16].any()  # nothing of the damaged entry or past it was placed
     assert reader.stats().corrupt_entries == 1 and not os.path.exists(path)

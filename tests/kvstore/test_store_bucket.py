@@ -19,7 +19,7 @@ from deepinfer_core.kvstore import object_tier  # noqa: E402
 from deepinfer_core.kvstore.bucket import StoreUnreachable  # noqa: E402
 from deepinfer_core.kvstore.file_tier import LoadJob  # noqa: E402
 from deepinfer_core.kvstore.store import L2, L3  # noqa: E402
-from tests.helpers.kv_store import bucket_store_config, cpu_store, settle  # noqa: E402
+from tests.helpers.kv_store import bucket_store_config, cpu_store, load_stored, settle  # noqa: E402
 from tests.helpers.s3 import make_bucket, objects, s3_server  # noqa: E402
 
 KEYS = [bytes([i]) * 16 for i in range(6)]
@@ -50,14 +50,6 @@ def _saved(endpoint, bucket, **kw):
     return writer
 
 
-def _load(store, keys, blocks):
-    tiers = store.lookup(keys)
-    load = store.start_load(keys[: len(tiers)], tiers)
-    while not load.done:
-        store.poll(wait_s=0.01)
-    return tiers, store.finish_load(load, blocks)
-
-
 def test_a_fresh_store_loads_the_saved_blocks_from_objects(endpoint, bucket):
     writer = _saved(endpoint, bucket)
     assert writer.tier.io.name == "OBJ"
@@ -66,7 +58,7 @@ def test_a_fresh_store_loads_the_saved_blocks_from_objects(endpoint, bucket):
     assert stored == {f"engines/{k.hex()}.kvblock": frame_bytes for k in KEYS}
     assert writer.stats().saved_blocks == 6 and writer.stats().l3_bytes == 6 * frame_bytes
     reader = _store(endpoint, bucket)
-    tiers, placed = _load(reader, KEYS, [10, 11, 12, 13, 14, 15])
+    tiers, placed = load_stored(reader, KEYS, [10, 11, 12, 13, 14, 15])
     assert tiers == [L3] * 6 and placed == 6
     assert torch.equal(reader.kv[:, 10:16], writer.kv[:, 1:7])
     assert reader.lookup(KEYS) == [L2] * 6  # promoted
@@ -142,7 +134,7 @@ def test_a_damaged_object_ends_the_load_there_and_is_deleted(endpoint, bucket, d
         client.put_object(Bucket=name, Key=key, Body=body[: len(body) // 2])
     reader = _store(endpoint, bucket)
     reader.kv.zero_()
-    _, placed = _load(reader, KEYS, [10, 11, 12, 13, 14, 15])
+    _, placed = load_stored(reader, KEYS, [10, 11, 12, 13, 14, 15])
     assert placed == 3 and torch.equal(reader.kv[:, 10:13], writer.kv[:, 1:4])
     assert not reader.kv[:, 13:16].any()  # nothing of the damaged entry or past it was placed
     assert reader.stats().corrupt_entries == 1 and key not in objects(client, name)

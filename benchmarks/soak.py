@@ -32,11 +32,14 @@ class SoakResult:
     """Requests that failed or ended short, with why."""
     rss_mb: dict[str, list[tuple[float, float]]] = field(default_factory=dict)
     """process -> (seconds since start, resident MB) samples."""
+    anon_mb: dict[str, list[tuple[float, float]]] = field(default_factory=dict)
+    """process -> (seconds since start, resident anonymous MB) samples: the heaps alone. Resident
+    file pages (shared libraries' code as new paths first run, mapped files) grow too, and are no leak."""
 
-    def slopes(self, warmup_s: float) -> dict[str, float]:
-        """process -> MB per minute after `warmup_s` (least squares)."""
+    def slopes(self, warmup_s: float, series: dict | None = None) -> dict[str, float]:
+        """process -> MB per minute after `warmup_s` (least squares) of `series` (default: resident)."""
         out = {}
-        for name, samples in self.rss_mb.items():
+        for name, samples in (self.rss_mb if series is None else series).items():
             pts = [(t, mb) for t, mb in samples if t >= warmup_s]
             if len(pts) < 3:
                 continue
@@ -47,19 +50,29 @@ class SoakResult:
         return out
 
     def table(self, warmup_s: float) -> str:
-        slopes = self.slopes(warmup_s)
-        rows = [f"{'process':<12} {'first MB':>9} {'last MB':>9} {'MB/min after warm-up':>21}"]
+        slopes, anon = self.slopes(warmup_s), self.slopes(warmup_s, self.anon_mb)
+        rows = [
+            f"{'process':<12} {'first MB':>9} {'last MB':>9} {'MB/min after warm-up':>21}"
+            f" {'anon first':>11} {'anon last':>10} {'anon MB/min':>12}"
+        ]
         for name, samples in sorted(self.rss_mb.items()):
             slope = f"{slopes[name]:+.2f}" if name in slopes else "-"
-            rows.append(f"{name:<12} {samples[0][1]:>9.1f} {samples[-1][1]:>9.1f} {slope:>21}")
+            a = self.anon_mb.get(name) or [(0.0, 0.0)]
+            a_slope = f"{anon[name]:+.2f}" if name in anon else "-"
+            rows.append(
+                f"{name:<12} {samples[0][1]:>9.1f} {samples[-1][1]:>9.1f} {slope:>21}"
+                f" {a[0][1]:>11.1f} {a[-1][1]:>10.1f} {a_slope:>12}"
+            )
         return "\n".join(rows)
 
 
-def _rss_mb(pid: int) -> float:
+def _memory_mb(pid: int) -> tuple[float, float]:
+    """(resident, resident anonymous) MB of `pid`."""
+    got = {}
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return 0.0
+        if line.startswith(("VmRSS:", "RssAnon:")):
+            got[line.split(":")[0]] = int(line.split()[1]) / 1024
+    return got.get("VmRSS", 0.0), got.get("RssAnon", 0.0)
 
 
 def processes(grpc_address: str, head_pid: int) -> dict[str, int]:
@@ -79,9 +92,12 @@ def _sample(result: SoakResult, pids: dict[str, int], began: float, stop: thread
     while not stop.is_set():
         for name, pid in pids.items():
             try:
-                result.rss_mb.setdefault(name, []).append((time.monotonic() - began, _rss_mb(pid)))
+                rss, anon = _memory_mb(pid)
             except OSError:  # the process is gone: its series just ends
-                pass
+                continue
+            t = time.monotonic() - began
+            result.rss_mb.setdefault(name, []).append((t, rss))
+            result.anon_mb.setdefault(name, []).append((t, anon))
         stop.wait(every_s)
 
 
@@ -160,6 +176,10 @@ def main() -> int:
             serve.stop()
     print(f"{result.requests} requests over {args.minutes:g} min with {args.streams} streams; lost {len(result.lost)}")
     print(result.table(args.warmup_s))
+    per_min = result.requests / args.minutes
+    anon = result.slopes(args.warmup_s, result.anon_mb)
+    print("anon MB per 1,000 requests after warm-up: " + ", ".join(
+        f"{name} {1000 * slope / per_min:+.3f}" for name, slope in sorted(anon.items())))  # fmt: skip
     for line in result.lost[:10]:
         print("lost:", line)
     return 1 if result.lost else 0

@@ -11,13 +11,13 @@ the routed experts of one layer across the instance:
     each token's k terms weighted and summed in logical-expert order        (unpermute)
 
 Attention, dense MLPs, shared experts, embeddings and the head stay whole on every rank (DP
-attention).
+attention). Summing in logical-expert order makes a token's output independent of where its
+experts live, so EP=N and every EPLB placement give the single-rank numbers.
 
 What a captured decode graph reads lives in fixed storage made before the capture: the load
 counter (`ExpertParallel.load`, accumulated in place, read and reset between steps), the
 placement's device maps (`ExpertPlacement.place_on`, rewritten in place by a rearrangement) and
-the expert weights (moved slot by slot into the same parameters, `eplb.rearrange`). Summing in logical-expert order makes a token's output independent of where its
-experts live, so EP=N and every EPLB placement give the single-rank numbers.
+the expert weights (moved slot by slot into the same parameters, `eplb.rearrange`).
 """
 
 from __future__ import annotations

@@ -38,6 +38,9 @@ class Dispatched:
 class MoEDispatcher(ABC):
     comm_s: float = 0.0
     """Seconds spent in communication since creation (benchmarks read it)."""
+    static_shapes: bool = False
+    """Every call moves the same shapes and reads nothing back to the host: a decode step through
+    it can be captured in a CUDA graph (`ModelRunner.use_cuda_graph`)."""
 
     @abstractmethod
     def dispatch(self, rows: torch.Tensor, slot_counts: torch.Tensor) -> Dispatched:
@@ -101,6 +104,8 @@ class PaddedAllToAllDispatcher(AllToAllDispatcher):
     all-to-all with equal splits moves the blocks, and the receiver labels each row with its local
     slot from the exchanged counts (padding: slot S) and orders them by slot, padding last.
     """
+
+    static_shapes = True
 
     def __init__(self, group: InstanceGroup, max_tokens: int, top_k: int, slots_per_rank: int):
         super().__init__(group)

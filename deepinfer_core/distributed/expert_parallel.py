@@ -13,6 +13,11 @@ the routed experts of one layer across the instance:
 Attention, dense MLPs, shared experts, embeddings and the head stay whole on every rank (DP
 attention). Summing in logical-expert order makes a token's output independent of where its
 experts live, so EP=N and every EPLB placement give the single-rank numbers.
+
+What a captured decode graph reads lives in fixed storage made before the capture: the load
+counter (`ExpertParallel.load`, accumulated in place, read and reset between steps), the
+placement's device maps (`ExpertPlacement.place_on`, rewritten in place by a rearrangement) and
+the expert weights (moved slot by slot into the same parameters, `eplb.rearrange`).
 """
 
 from __future__ import annotations
@@ -34,26 +39,33 @@ def count_ids(ids: torch.Tensor, n: int) -> torch.Tensor:
     return torch.zeros(n, dtype=torch.int64, device=ids.device).scatter_add_(0, ids, torch.ones_like(ids))
 
 
+NO_ROW_LIMIT = 2**62
+"""`ExpertParallel.num_real` outside a captured graph's replay: every row is a real token."""
+
+
 class ExpertParallelMoE:
     """The routed experts of MoE layer `layer` over the instance (set as `SparseMoeBlock.ep`)."""
 
-    def __init__(self, layer: int, placement: ExpertPlacement, group: InstanceGroup, dispatcher: MoEDispatcher):
+    def __init__(self, layer: int, placement: ExpertPlacement, group: InstanceGroup, dispatcher: MoEDispatcher,
+                 load: torch.Tensor, num_real: torch.Tensor):  # fmt: skip
         self.layer = layer
         self.placement = placement
         self.group = group
         self.dispatcher = dispatcher
-        self.load: Optional[torch.Tensor] = None
-        """[E] int64: this rank's tokens routed to each logical expert since `ExpertParallel.take_load`."""
+        self.load = load
+        """[E] int64, a row of `ExpertParallel.load`: this rank's tokens routed to each logical expert."""
+        self.num_real = num_real
+        """[1] int64 (`ExpertParallel.num_real`): rows past it are a captured graph's padding."""
 
     def __call__(
         self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts: FusedExperts
     ) -> torch.Tensor:
         T, k = ids.shape  # x: [T, H], weights/ids: [T, k]
         flat_ids = ids.reshape(-1)  # [T*k] logical
-        self._count(flat_ids)
+        token_of = torch.arange(T, device=x.device).repeat_interleave(k)  # [T*k]
+        self._count(flat_ids, token_of)
         phys = self.placement.to_physical(self.layer, ids, self.group.rank).reshape(-1)  # [T*k]
         order = torch.argsort(phys, stable=True)
-        token_of = torch.arange(T, device=x.device).repeat_interleave(k)  # [T*k]
         slot_counts = count_ids(phys, self.placement.num_slots)
         sent = self.dispatcher.dispatch(x[token_of[order]], slot_counts)
         empty = torch.empty(0, dtype=torch.int64, device=x.device)
@@ -65,9 +77,10 @@ class ExpertParallelMoE:
         out = torch.zeros(T, x.shape[1], dtype=y.dtype, device=x.device)
         return out.index_add_(0, token_of[by_expert], weighted)
 
-    def _count(self, flat_ids: torch.Tensor) -> None:
-        counts = count_ids(flat_ids, self.placement.num_experts)
-        self.load = counts if self.load is None else self.load + counts
+    def _count(self, flat_ids: torch.Tensor, token_of: torch.Tensor) -> None:
+        """Add the real tokens' expert ids to `load`, in place (no new tensor survives the step)."""
+        real = (token_of < self.num_real).to(torch.int64)  # a graph's padding rows count 0
+        self.load.scatter_add_(0, flat_ids, real)
 
 
 def shard_experts(experts: FusedExperts, slots: list[int]) -> None:
@@ -93,10 +106,23 @@ class ExpertParallel:
         self.placement = placement
         self.group = group
         self.dispatcher = dispatcher
+        device = blocks[0].gate.weight.device  # where the routing runs: counted there, no host sync per step
+        placement.place_on(device)
+        self.load = torch.zeros(placement.num_layers, placement.num_experts, dtype=torch.int64, device=device)
+        """[L, E] int64: this rank's tokens per logical expert since `take_load` (added to in place)."""
+        self.num_real = torch.full((1,), NO_ROW_LIMIT, dtype=torch.int64, device=device)
+        """[1] int64: how many leading rows of the running forward are real tokens (a captured decode
+        graph sets it before each replay; its padding rows are routed and dispatched, never counted)."""
 
     @property
     def experts(self) -> list[FusedExperts]:
         return [b.experts for b in self.blocks]
+
+    @property
+    def capturable(self) -> bool:
+        """Whether a decode step can be captured in a CUDA graph: the dispatch has static shapes
+        and keeps its counts on the device (the exact-count all-to-all reads them back)."""
+        return self.dispatcher.static_shapes
 
     @torch.inference_mode()
     def dummy_forward(self) -> None:
@@ -108,15 +134,11 @@ class ExpertParallel:
 
     def take_load(self) -> torch.Tensor:
         """[L, E] int64 on the experts' device: this rank's tokens per logical expert since the last
-        call (resets). Stays on the device: no host sync per step."""
-        device = self.blocks[0].gate.weight.device
-        rows = []
-        for block in self.blocks:
-            run = block.ep
-            rows.append(run.load if run.load is not None else torch.zeros(self.placement.num_experts,
-                                                                           dtype=torch.int64, device=device))  # fmt: skip
-            run.load = None
-        return torch.stack(rows)
+        call; the counter is zeroed in place. Between steps, never inside a captured region; stays on
+        the device: no host sync."""
+        taken = self.load.clone()
+        self.load.zero_()
+        return taken
 
 
 def moe_blocks(model: nn.Module) -> list[SparseMoeBlock]:
@@ -141,7 +163,8 @@ def apply_expert_parallel(model: nn.Module, group: InstanceGroup, dtype: torch.d
     placement = ExpertPlacement.contiguous(len(blocks), num_experts, group.size, num_redundant)
     top_k = blocks[0].routing.top_k
     dispatcher = make_dispatcher(group, backend, max_tokens, top_k, placement.slots_per_rank)
+    ep = ExpertParallel(blocks, placement, group, dispatcher, dtype)
     for layer, block in enumerate(blocks):
         shard_experts(block.experts, placement.local_experts(layer, group.rank))
-        block.ep = ExpertParallelMoE(layer, placement, group, dispatcher)
-    return ExpertParallel(blocks, placement, group, dispatcher, dtype)
+        block.ep = ExpertParallelMoE(layer, placement, group, dispatcher, ep.load[layer], ep.num_real)
+    return ep

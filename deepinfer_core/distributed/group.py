@@ -57,6 +57,15 @@ class InstanceGroup:
             raise InstanceFailed(f"rank {self.rank}/{self.size}: all-reduce failed: {e}") from e
         return t
 
+    def gather(self, obj) -> list:
+        """Every rank's `obj` (picklable), in rank order (over `control_pg`)."""
+        out: list = [None] * self.size
+        try:
+            dist.all_gather_object(out, obj, group=self.control_pg)
+        except RuntimeError as e:
+            raise InstanceFailed(f"rank {self.rank}/{self.size}: all-gather failed: {e}") from e
+        return out
+
     @classmethod
     def subgroup(cls, ranks: list[int], collective_timeout_s: float = 60.0) -> InstanceGroup:
         """An instance over some ranks of the world (call on every world rank, members or not);

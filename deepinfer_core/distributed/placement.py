@@ -5,10 +5,13 @@ hot experts), S = P / N per rank, rank r owning slots [r*S, (r+1)*S). Per MoE la
 
     phy2log [L, P]         logical expert held by each physical slot
     logcnt  [L, E]         replicas of each logical expert (>= 1)
-    log2phy [L, E, Rmax]   the physical slots of each logical expert, -1 padded
+    log2phy [L, E, R+1]    the physical slots of each logical expert, -1 padded (R+1: the most
+                           replicas one expert can have, so the shape never changes)
 
 The initial placement is contiguous (slot p holds expert p mod E): rank r holds experts
-[r*E/N, (r+1)*E/N) when there is no redundancy. EPLB (`deepinfer_core/eplb/`) replaces it.
+[r*E/N, (r+1)*E/N) when there is no redundancy. EPLB (`deepinfer_core/eplb/`) replaces it with
+`update`, which writes the new maps into the same tensors, host and device copies alike: a CUDA
+graph captured over the device maps (`place_on`) routes by the new placement at its next replay.
 """
 
 from __future__ import annotations
@@ -44,6 +47,10 @@ class ExpertPlacement:
     num_ranks: int
 
     def __post_init__(self) -> None:
+        L, P = self.phy2log.shape
+        self.logcnt = torch.zeros(L, self.num_experts, dtype=torch.int64)
+        self.log2phy = torch.full((L, self.num_experts, P - self.num_experts + 1), -1, dtype=torch.int64)
+        self._on_device: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}  # (logcnt, log2phy) copies
         self.refresh()
 
     @classmethod
@@ -61,19 +68,43 @@ class ExpertPlacement:
         return [(rank * per_rank + i) % num_experts for i in range(per_rank)]
 
     def refresh(self) -> None:
-        """Derive `logcnt` and `log2phy` from `phy2log` (after a rearrangement replaced it)."""
+        """Derive `logcnt` and `log2phy` from `phy2log`, in place (and into every device copy)."""
         L, P = self.phy2log.shape
-        self.logcnt = torch.zeros(L, self.num_experts, dtype=torch.int64)
-        self.logcnt.scatter_add_(1, self.phy2log, torch.ones_like(self.phy2log))
-        if int(self.logcnt.min()) < 1:
+        logcnt = torch.zeros_like(self.logcnt).scatter_add_(1, self.phy2log, torch.ones_like(self.phy2log))
+        if int(logcnt.min()) < 1:
             raise ValueError("a placement must hold every logical expert at least once")
-        self.log2phy = torch.full((L, self.num_experts, int(self.logcnt.max())), -1, dtype=torch.int64)
-        self._on_device: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}  # (logcnt, log2phy) copies
+        log2phy = torch.full_like(self.log2phy, -1)
         seen = torch.zeros(L, self.num_experts, dtype=torch.int64)
         for layer in range(L):
             for p, e in enumerate(self.phy2log[layer].tolist()):
-                self.log2phy[layer, e, seen[layer, e]] = p
+                log2phy[layer, e, seen[layer, e]] = p
                 seen[layer, e] += 1
+        self.logcnt.copy_(logcnt)
+        self.log2phy.copy_(log2phy)
+        for dev_logcnt, dev_log2phy in self._on_device.values():  # stream-ordered behind a step still in flight
+            dev_logcnt.copy_(self.logcnt)
+            dev_log2phy.copy_(self.log2phy)
+
+    def update(self, phy2log: torch.Tensor) -> None:
+        """Move to a new placement ([L, P], same shape): every map keeps its storage."""
+        if phy2log.shape != self.phy2log.shape:
+            raise ValueError(f"a new placement must keep the shape {tuple(self.phy2log.shape)}, "
+                             f"got {tuple(phy2log.shape)}")  # fmt: skip
+        old = self.phy2log.clone()
+        self.phy2log.copy_(phy2log)
+        try:
+            self.refresh()
+        except ValueError:
+            self.phy2log.copy_(old)
+            raise
+
+    def place_on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The (logcnt, log2phy) copies `to_physical` reads on `device`, made once: before a CUDA
+        graph captures them, after which `update` only ever writes into them."""
+        device = torch.device(device)
+        if device not in self._on_device:
+            self._on_device[device] = (self.logcnt.to(device, copy=True), self.log2phy.to(device, copy=True))
+        return self._on_device[device]
 
     @property
     def num_layers(self) -> int:
@@ -95,9 +126,7 @@ class ExpertPlacement:
     def to_physical(self, layer: int, ids: torch.Tensor, rank: int) -> torch.Tensor:
         """[T, k] logical ids -> [T, k] physical slots. A token spreads over an expert's replicas by
         its position (offset by rank, so that ranks do not all pick the first replica)."""
-        if ids.device not in self._on_device:  # copied once per placement, not per layer and step
-            self._on_device[ids.device] = (self.logcnt.to(ids.device), self.log2phy.to(ids.device))
-        logcnt, log2phy = self._on_device[ids.device]
+        logcnt, log2phy = self.place_on(ids.device)
         cnt = logcnt[layer][ids]  # [T, k]
         pos = torch.arange(ids.shape[0], device=ids.device).unsqueeze(1) + rank
         return log2phy[layer][ids, pos % cnt]

@@ -10,7 +10,8 @@ without asking: the collectives stay aligned.
   update the `imbalance` gauge (max / mean tokens per rank under the current placement);
 - every `interval` counted steps (when enabled): also compute a new placement with the policy,
   move the weights (`rearrange.move_experts`, between two steps: traffic pauses for one step at
-  most) and start a new load window.
+  most) and start a new load window. Weights and maps are rewritten in their own storage, so
+  the decode graphs captured before keep replaying, now over the new placement.
 """
 
 from __future__ import annotations
@@ -68,8 +69,7 @@ class ExpertBalancer:
         new = rebalance(load, placement.num_slots, placement.num_ranks, self.policy, self.num_groups, self.num_nodes)
         before = self.imbalance if self.imbalance is not None else imbalance(placement.rank_load(load))
         self.last_move = move_experts(self.ep.experts, placement.phy2log, new, self.ep.group)
-        placement.phy2log = new
-        placement.refresh()
+        placement.update(new)  # the same map tensors: a captured graph routes by the new placement
         self.imbalance = imbalance(placement.rank_load(load))
         self.window.zero_()
         self.num_rearrangements += 1

@@ -8,6 +8,12 @@ An engine that drafts `nextn` tokens verifies `1 + nextn` tokens per sequence, f
 attention row per token (`input_batch.token_row_attention`): its buckets reach
 `max_num_seqs * (1 + nextn)` rows, and the draft (MTP) layer has graphs of its own
 (`DraftGraphs`, over the draft's KV layer and the target hidden states it reads).
+
+An expert-parallel rank (the padded dispatch: static shapes, counts on the device) captures its
+MoE all-to-alls inside the graphs. Every rank of the instance captures the same batch sizes
+(`shared_buckets`), since each capture's warm-up forward enters the collectives; an idle rank
+replays the smallest graph over padding rows alone (`run_idle`). Padding rows are routed and
+dispatched like real ones but not counted as expert load (`ExpertParallel.num_real`).
 """
 
 from __future__ import annotations
@@ -18,9 +24,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from deepinfer_core.distributed.expert_parallel import NO_ROW_LIMIT
 from deepinfer_core.models.layers.attention import AttentionMetadata
 
 if TYPE_CHECKING:
+    from deepinfer_core.distributed.group import InstanceGroup
     from deepinfer_core.worker.input_batch import ModelInput
     from deepinfer_core.worker.model_runner import ModelRunner
 
@@ -34,6 +42,18 @@ def batch_buckets(max_num_seqs: int, tokens_per_seq: int = 1) -> list[int]:
     return [s for s in sizes if s < top] + [top]
 
 
+def shared_buckets(buckets: list[int], group: InstanceGroup) -> list[int]:
+    """The batch sizes every rank of the instance captures: those all ranks propose (one gather
+    over the control group; call on every rank). A rank left with fewer runs its larger batches
+    eagerly, whose collectives have the graphs' shapes (the padded dispatch)."""
+    proposed = group.gather(list(buckets))
+    common = sorted(set.intersection(*(set(p) for p in proposed)))
+    if common != sorted(buckets):
+        logger.warning("rank %d/%d: capturing the batch sizes every rank proposes, %s (this rank proposed %s)",
+                       group.rank, group.size, common, buckets)  # fmt: skip
+    return common
+
+
 class DecodeGraphs:
     def __init__(self, runner: ModelRunner):
         self.runner = runner
@@ -42,6 +62,8 @@ class DecodeGraphs:
         self.width = (runner.config.scheduler.max_model_len + self.block_size - 1) // self.block_size
         sched = runner.config.scheduler
         self.buckets = batch_buckets(sched.max_num_seqs, sched.num_decode_tokens_per_seq)
+        if runner.ep is not None:
+            self.buckets = shared_buckets(self.buckets, runner.ep.group)
         n, dev = self.buckets[-1], runner.device
         self.input_ids = torch.zeros(n, dtype=torch.int64, device=dev)
         self.positions = torch.zeros(n, dtype=torch.int64, device=dev)
@@ -63,6 +85,9 @@ class DecodeGraphs:
         gc.collect()
         gc_was_on = gc.isenabled()
         gc.disable()
+        ep = runner.ep
+        if ep is not None:  # warm-ups' rows are not expert load; a replay sets its real row count
+            ep.num_real.fill_(0)
         try:
             for bs in reversed(self.buckets):  # largest first: smaller graphs reuse its memory
                 self._forward(bs)  # warm up (allocator, kernels' autotuning) outside the graph
@@ -74,6 +99,8 @@ class DecodeGraphs:
         finally:
             if gc_was_on:
                 gc.enable()
+            if ep is not None:
+                ep.num_real.fill_(NO_ROW_LIMIT)
         torch.cuda.synchronize()
         logger.info("captured %s for batch sizes %s", type(self).__name__, self.buckets)
         return self
@@ -110,15 +137,30 @@ class DecodeGraphs:
         self.input_ids[:b].copy_(input_ids)
         self.positions[:b].copy_(positions)
         self.slot_mapping[:b].copy_(meta.slot_mapping)
-        self.slot_mapping[b:bs].fill_(scratch * self.block_size)
         w = meta.block_tables.shape[1]
         self.block_tables[:b, :w].copy_(meta.block_tables)
         self.block_tables[:b, w:].fill_(scratch)
-        self.block_tables[b:bs].fill_(scratch)
         self.seq_lens[:b].copy_(meta.seq_lens)
-        self.seq_lens[b:bs].fill_(1)
-        self.graphs[bs].replay()
+        self._launch(b, bs)
         return self.outputs[bs][:b]
+
+    def run_idle(self) -> None:
+        """A step without a real token (an idle expert-parallel rank): the smallest graph over
+        padding rows alone, entering the collectives the ranks with work enter."""
+        self._launch(0, self.buckets[0])
+
+    def _launch(self, b: int, bs: int) -> None:
+        """Replay graph `bs` with rows [b, bs) as padding (their K/V to the scratch block)."""
+        scratch = self.runner.cache.scratch_block
+        self.slot_mapping[b:bs].fill_(scratch * self.block_size)
+        self.block_tables[b:bs].fill_(scratch)
+        self.seq_lens[b:bs].fill_(1)
+        ep = self.runner.ep
+        if ep is not None:
+            ep.num_real.fill_(b)
+        self.graphs[bs].replay()
+        if ep is not None:
+            ep.num_real.fill_(NO_ROW_LIMIT)
 
 
 class DraftGraphs(DecodeGraphs):

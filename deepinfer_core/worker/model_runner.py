@@ -99,9 +99,13 @@ class ModelRunner:
         """Expert parallelism: every launch enters the MoE collectives, a step with no work too."""
         self.num_dummy_steps = 0
         """Steps with nothing scheduled that ran a dummy forward to keep the instance in lockstep."""
-        # all-to-all with per-step split sizes is not graph-capturable: EP ranks run decode eagerly
+        # an expert-parallel decode step is capturable through the padded dispatch only: the exact
+        # all-to-all reads its split sizes back to the host, so its ranks run decode eagerly
         self.use_cuda_graph = (
-            not config.enforce_eager and config.role.cuda_graphs_allowed and device.type == "cuda" and ep is None
+            not config.enforce_eager
+            and config.role.cuda_graphs_allowed
+            and device.type == "cuda"
+            and (ep is None or ep.capturable)
         )
         self.graphs = None  # decode CUDA graphs, captured after the cache exists
         self.draft_graphs = None  # the draft (MTP) layer's decode graphs, on an engine that drafts
@@ -127,6 +131,8 @@ class ModelRunner:
         if out.is_empty:
             if out.prompt_run:
                 self._forward(placeholder_input(self.device))  # fixed beat; result discarded
+            elif self.ep is not None and self.graphs is not None:
+                self.graphs.run_idle()  # the captured graphs the ranks with work replay, no real token
             elif self.ep is not None:
                 self.ep.dummy_forward()  # zero tokens, the same collectives as the ranks with work
             if self.ep is not None:

@@ -44,9 +44,9 @@ class Worker:
 
     def _expert_parallel_shard(self, group: Optional[InstanceGroup]):
         """The loader's shard step of an expert-parallel rank, or None."""
-        ep_size = self.config.parallel.expert_parallel_size
-        if ep_size == 1:
+        if not self._expert_parallel(group):
             return None
+        ep_size = self.config.parallel.expert_parallel_size
         if group is None or group.size != ep_size:
             raise ValueError(f"expert_parallel_size={ep_size} needs the instance's group of {ep_size} ranks "
                              "(deepinfer_core.distributed.group.join_instance)")  # fmt: skip
@@ -59,10 +59,14 @@ class Worker:
 
         return shard
 
+    def _expert_parallel(self, group: Optional[InstanceGroup]) -> bool:
+        """EP ranks shard their experts; an instance of one rank (a group of size 1) takes the same
+        path over itself: its dispatch, load counting and EPLB run as on N ranks."""
+        return self.config.parallel.expert_parallel_size > 1 or (group is not None and group.size == 1)
+
     def _expert_slots(self, group: Optional[InstanceGroup]) -> Optional[list[int]]:
         """An expert-parallel rank's experts (before any rearrangement): all it builds and loads."""
-        parallel = self.config.parallel
-        if parallel.expert_parallel_size == 1 or group is None:
+        if not self._expert_parallel(group) or group is None:
             return None
         from deepinfer_core.distributed.placement import ExpertPlacement
         from deepinfer_core.models.hf_config import num_routed_experts
@@ -128,4 +132,6 @@ class Worker:
             self.runner.graphs = DecodeGraphs.capture(self.runner)
             if self.draft is not None:
                 self.runner.draft_graphs = DraftGraphs.capture(self.runner, self.draft)
+        if self.ep is not None:
+            self.ep.take_load()  # the memory profile's rows are no expert load
         return cache

@@ -174,8 +174,8 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: list[int] | to
         if isinstance(counts, torch.Tensor):  # padding rows: left undefined by the grouped GEMM
             out = out.masked_fill(torch.arange(x.shape[0], device=x.device)[:, None] >= offs[-1], 0)
         return out
-    if isinstance(counts, torch.Tensor):
-        counts = counts.tolist()
+    if isinstance(counts, torch.Tensor):  # on the device: never read back (a CUDA graph captures this)
+        return _masked_linear(x, weight, counts.to(x.device))
     out = (
         x.new_zeros(x.shape[0], weight.shape[1])
         if sum(counts) < x.shape[0]
@@ -186,6 +186,17 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: list[int] | to
         if n:
             out[start : start + n] = F.linear(x[start : start + n], weight[e])
         start += n
+    return out
+
+
+def _masked_linear(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """`grouped_linear` with the group sizes on the device and no grouped GEMM: every expert's
+    matrix over all rows, each row keeping its own expert's result (padding rows: zeros). E times
+    the FLOPs of the grouped GEMM, but static shapes and no read-back."""
+    expert_of = torch.searchsorted(counts.cumsum(0), torch.arange(x.shape[0], device=x.device), right=True)
+    out = x.new_zeros(x.shape[0], weight.shape[1])
+    for e in range(weight.shape[0]):
+        out = torch.where((expert_of == e)[:, None], F.linear(x, weight[e]), out)
     return out
 
 

@@ -72,15 +72,28 @@ class ExpertParallelMoE:
         y = experts(PermutedTokens(sent.hidden, empty, empty.float(), sent.counts))  # [M, H]
         back = torch.empty(T * k, x.shape[1], dtype=y.dtype, device=x.device)
         back[order] = self.dispatcher.combine(y, sent.handle)  # [T*k, H] in (token, j) order
-        by_expert = torch.argsort(flat_ids, stable=True)  # the single-rank summation order
-        weighted = (back[by_expert] * weights.reshape(-1)[by_expert, None]).to(y.dtype)
-        out = torch.zeros(T, x.shape[1], dtype=y.dtype, device=x.device)
-        return out.index_add_(0, token_of[by_expert], weighted)
+        return weighted_sum(back, weights, ids, y.dtype)
 
     def _count(self, flat_ids: torch.Tensor, token_of: torch.Tensor) -> None:
         """Add the real tokens' expert ids to `load`, in place (no new tensor survives the step)."""
         real = (token_of < self.num_real).to(torch.int64)  # a graph's padding rows count 0
         self.load.scatter_add_(0, flat_ids, real)
+
+
+def weighted_sum(back: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[T*k, H] expert outputs in (token, j) order -> [T, H]: each token's terms, weighted and
+    rounded to `dtype`, added in ascending expert id in float32 and rounded once, which is what the
+    single-rank layer's `index_add_` does on CPU. One add per j instead of `index_add_`: on a GPU
+    that scatters with bf16 atomics, rounding after each add in no fixed order, so an EP layer's
+    output (and a captured graph's replay of it) would differ from run to run."""
+    T, k = ids.shape
+    terms = (back * weights.reshape(-1, 1)).to(dtype).view(T, k, back.shape[1])
+    in_expert_order = torch.argsort(ids, dim=1, stable=True)
+    terms = terms.gather(1, in_expert_order[:, :, None].expand(-1, -1, back.shape[1]))
+    out = torch.zeros(T, back.shape[1], dtype=torch.float32, device=back.device)
+    for j in range(k):
+        out += terms[:, j]
+    return out.to(dtype)
 
 
 def shard_experts(experts: FusedExperts, slots: list[int]) -> None:

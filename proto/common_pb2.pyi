@@ -317,16 +317,26 @@ class PoolStatus(_message.Message):
     def __init__(self, pool: _Optional[_Union[Pool, str]] = ..., target: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., ranks_per_instance: _Optional[int] = ...) -> None: ...
 
 class ClusterStatus(_message.Message):
-    __slots__ = ("pools", "model", "ready", "detail")
+    __slots__ = ("pools", "model", "ready", "detail", "dead_workers")
     POOLS_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     READY_FIELD_NUMBER: _ClassVar[int]
     DETAIL_FIELD_NUMBER: _ClassVar[int]
+    DEAD_WORKERS_FIELD_NUMBER: _ClassVar[int]
     pools: _containers.RepeatedCompositeFieldContainer[PoolStatus]
     model: str
     ready: bool
     detail: str
-    def __init__(self, pools: _Optional[_Iterable[_Union[PoolStatus, _Mapping]]] = ..., model: _Optional[str] = ..., ready: _Optional[bool] = ..., detail: _Optional[str] = ...) -> None: ...
+    dead_workers: _containers.RepeatedCompositeFieldContainer[DeadWorker]
+    def __init__(self, pools: _Optional[_Iterable[_Union[PoolStatus, _Mapping]]] = ..., model: _Optional[str] = ..., ready: _Optional[bool] = ..., detail: _Optional[str] = ..., dead_workers: _Optional[_Iterable[_Union[DeadWorker, _Mapping]]] = ...) -> None: ...
+
+class DeadWorker(_message.Message):
+    __slots__ = ("worker_id", "pid")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    pid: int
+    def __init__(self, worker_id: _Optional[str] = ..., pid: _Optional[int] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
     __slots__ = ()

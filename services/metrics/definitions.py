@@ -118,6 +118,10 @@ API_PROCESS_REQUESTS = Counter(
 WORKER_RESTARTS = Counter(
     "deepinfer:worker_restarts_total", "Engines the controller started to replace one that died.", ["pool"]
 )
+FENCES_LIFTED = Counter(
+    "deepinfer:kv_fences_lifted_total",
+    "Fenced decode reservations freed before their lease ended: the prefill engine that could write them died.",
+)
 MIGRATIONS = Counter(
     "deepinfer:migrations_total",
     "Requests moved to a healthy prefill/decode pair mid-stream (prompt + tokens so far re-prefilled), by reason.",

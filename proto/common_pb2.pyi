@@ -189,7 +189,7 @@ class KVTarget(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., engine_id: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., base_addr: _Optional[int] = ..., num_blocks_total: _Optional[int] = ..., device_id: _Optional[int] = ..., mem_type: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., fingerprint: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., expires_at: _Optional[float] = ..., layout: _Optional[str] = ...) -> None: ...
 
 class WorkerLoad(_message.Message):
-    __slots__ = ("worker_id", "queued_prompt_tokens", "running_requests", "waiting_requests", "total_kv_tokens", "kv_usage", "free_blocks", "num_blocks", "requests", "reservations", "prefix_queries", "prefix_hits", "kv_transfer_bytes", "handoffs", "draining", "open_streams", "computed_prompt_tokens", "kv_store_hit_tokens_l2", "kv_store_hit_tokens_l3", "kv_store_miss_tokens", "kv_store_load_bytes_l2", "kv_store_load_bytes_l3", "kv_store_saved_bytes", "kv_store_load_seconds", "kv_store_load_failures", "kv_store_corrupt_entries", "kv_store_evictions_l2", "kv_store_evictions_l3", "kv_store_l2_bytes", "kv_store_l3_bytes", "kv_store_loads", "kv_store_l2_capacity_bytes", "kv_store_l3_capacity_bytes", "local_prefills", "encoder_images", "encoder_cache_hits", "encoder_queue_images", "embedding_leases", "spec_draft_tokens", "spec_accepted_tokens", "spec_proposed_per_position", "spec_accepted_per_position", "transfer_peers", "ep_rank", "ep_size", "dummy_steps", "eplb_rearrangements", "moe_load_imbalance", "fenced_reservations")
+    __slots__ = ("worker_id", "queued_prompt_tokens", "running_requests", "waiting_requests", "total_kv_tokens", "kv_usage", "free_blocks", "num_blocks", "requests", "reservations", "prefix_queries", "prefix_hits", "kv_transfer_bytes", "handoffs", "draining", "open_streams", "computed_prompt_tokens", "kv_store_hit_tokens_l2", "kv_store_hit_tokens_l3", "kv_store_miss_tokens", "kv_store_load_bytes_l2", "kv_store_load_bytes_l3", "kv_store_saved_bytes", "kv_store_load_seconds", "kv_store_load_failures", "kv_store_corrupt_entries", "kv_store_evictions_l2", "kv_store_evictions_l3", "kv_store_l2_bytes", "kv_store_l3_bytes", "kv_store_loads", "kv_store_l2_capacity_bytes", "kv_store_l3_capacity_bytes", "local_prefills", "encoder_images", "encoder_cache_hits", "encoder_queue_images", "embedding_leases", "spec_draft_tokens", "spec_accepted_tokens", "spec_proposed_per_position", "spec_accepted_per_position", "transfer_peers", "ep_rank", "ep_size", "dummy_steps", "eplb_rearrangements", "moe_load_imbalance", "fenced_reservations", "embedding_lease_renewals")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     QUEUED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
@@ -239,6 +239,7 @@ class WorkerLoad(_message.Message):
     EPLB_REARRANGEMENTS_FIELD_NUMBER: _ClassVar[int]
     MOE_LOAD_IMBALANCE_FIELD_NUMBER: _ClassVar[int]
     FENCED_RESERVATIONS_FIELD_NUMBER: _ClassVar[int]
+    EMBEDDING_LEASE_RENEWALS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     queued_prompt_tokens: int
     running_requests: int
@@ -288,7 +289,8 @@ class WorkerLoad(_message.Message):
     eplb_rearrangements: int
     moe_load_imbalance: float
     fenced_reservations: int
-    def __init__(self, worker_id: _Optional[str] = ..., queued_prompt_tokens: _Optional[int] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., total_kv_tokens: _Optional[int] = ..., kv_usage: _Optional[float] = ..., free_blocks: _Optional[int] = ..., num_blocks: _Optional[int] = ..., requests: _Optional[int] = ..., reservations: _Optional[int] = ..., prefix_queries: _Optional[int] = ..., prefix_hits: _Optional[int] = ..., kv_transfer_bytes: _Optional[int] = ..., handoffs: _Optional[int] = ..., draining: _Optional[bool] = ..., open_streams: _Optional[int] = ..., computed_prompt_tokens: _Optional[int] = ..., kv_store_hit_tokens_l2: _Optional[int] = ..., kv_store_hit_tokens_l3: _Optional[int] = ..., kv_store_miss_tokens: _Optional[int] = ..., kv_store_load_bytes_l2: _Optional[int] = ..., kv_store_load_bytes_l3: _Optional[int] = ..., kv_store_saved_bytes: _Optional[int] = ..., kv_store_load_seconds: _Optional[float] = ..., kv_store_load_failures: _Optional[int] = ..., kv_store_corrupt_entries: _Optional[int] = ..., kv_store_evictions_l2: _Optional[int] = ..., kv_store_evictions_l3: _Optional[int] = ..., kv_store_l2_bytes: _Optional[int] = ..., kv_store_l3_bytes: _Optional[int] = ..., kv_store_loads: _Optional[int] = ..., kv_store_l2_capacity_bytes: _Optional[int] = ..., kv_store_l3_capacity_bytes: _Optional[int] = ..., local_prefills: _Optional[int] = ..., encoder_images: _Optional[int] = ..., encoder_cache_hits: _Optional[int] = ..., encoder_queue_images: _Optional[int] = ..., embedding_leases: _Optional[int] = ..., spec_draft_tokens: _Optional[int] = ..., spec_accepted_tokens: _Optional[int] = ..., spec_proposed_per_position: _Optional[_Iterable[int]] = ..., spec_accepted_per_position: _Optional[_Iterable[int]] = ..., transfer_peers: _Optional[int] = ..., ep_rank: _Optional[int] = ..., ep_size: _Optional[int] = ..., dummy_steps: _Optional[int] = ..., eplb_rearrangements: _Optional[int] = ..., moe_load_imbalance: _Optional[float] = ..., fenced_reservations: _Optional[int] = ...) -> None: ...
+    embedding_lease_renewals: int
+    def __init__(self, worker_id: _Optional[str] = ..., queued_prompt_tokens: _Optional[int] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., total_kv_tokens: _Optional[int] = ..., kv_usage: _Optional[float] = ..., free_blocks: _Optional[int] = ..., num_blocks: _Optional[int] = ..., requests: _Optional[int] = ..., reservations: _Optional[int] = ..., prefix_queries: _Optional[int] = ..., prefix_hits: _Optional[int] = ..., kv_transfer_bytes: _Optional[int] = ..., handoffs: _Optional[int] = ..., draining: _Optional[bool] = ..., open_streams: _Optional[int] = ..., computed_prompt_tokens: _Optional[int] = ..., kv_store_hit_tokens_l2: _Optional[int] = ..., kv_store_hit_tokens_l3: _Optional[int] = ..., kv_store_miss_tokens: _Optional[int] = ..., kv_store_load_bytes_l2: _Optional[int] = ..., kv_store_load_bytes_l3: _Optional[int] = ..., kv_store_saved_bytes: _Optional[int] = ..., kv_store_load_seconds: _Optional[float] = ..., kv_store_load_failures: _Optional[int] = ..., kv_store_corrupt_entries: _Optional[int] = ..., kv_store_evictions_l2: _Optional[int] = ..., kv_store_evictions_l3: _Optional[int] = ..., kv_store_l2_bytes: _Optional[int] = ..., kv_store_l3_bytes: _Optional[int] = ..., kv_store_loads: _Optional[int] = ..., kv_store_l2_capacity_bytes: _Optional[int] = ..., kv_store_l3_capacity_bytes: _Optional[int] = ..., local_prefills: _Optional[int] = ..., encoder_images: _Optional[int] = ..., encoder_cache_hits: _Optional[int] = ..., encoder_queue_images: _Optional[int] = ..., embedding_leases: _Optional[int] = ..., spec_draft_tokens: _Optional[int] = ..., spec_accepted_tokens: _Optional[int] = ..., spec_proposed_per_position: _Optional[_Iterable[int]] = ..., spec_accepted_per_position: _Optional[_Iterable[int]] = ..., transfer_peers: _Optional[int] = ..., ep_rank: _Optional[int] = ..., ep_size: _Optional[int] = ..., dummy_steps: _Optional[int] = ..., eplb_rearrangements: _Optional[int] = ..., moe_load_imbalance: _Optional[float] = ..., fenced_reservations: _Optional[int] = ..., embedding_lease_renewals: _Optional[int] = ...) -> None: ...
 
 class WorkerStatus(_message.Message):
     __slots__ = ("info", "load", "state", "inflight", "prefix_chunks")
@@ -317,16 +319,26 @@ class PoolStatus(_message.Message):
     def __init__(self, pool: _Optional[_Union[Pool, str]] = ..., target: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., ranks_per_instance: _Optional[int] = ...) -> None: ...
 
 class ClusterStatus(_message.Message):
-    __slots__ = ("pools", "model", "ready", "detail")
+    __slots__ = ("pools", "model", "ready", "detail", "dead_workers")
     POOLS_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     READY_FIELD_NUMBER: _ClassVar[int]
     DETAIL_FIELD_NUMBER: _ClassVar[int]
+    DEAD_WORKERS_FIELD_NUMBER: _ClassVar[int]
     pools: _containers.RepeatedCompositeFieldContainer[PoolStatus]
     model: str
     ready: bool
     detail: str
-    def __init__(self, pools: _Optional[_Iterable[_Union[PoolStatus, _Mapping]]] = ..., model: _Optional[str] = ..., ready: _Optional[bool] = ..., detail: _Optional[str] = ...) -> None: ...
+    dead_workers: _containers.RepeatedCompositeFieldContainer[DeadWorker]
+    def __init__(self, pools: _Optional[_Iterable[_Union[PoolStatus, _Mapping]]] = ..., model: _Optional[str] = ..., ready: _Optional[bool] = ..., detail: _Optional[str] = ..., dead_workers: _Optional[_Iterable[_Union[DeadWorker, _Mapping]]] = ...) -> None: ...
+
+class DeadWorker(_message.Message):
+    __slots__ = ("worker_id", "pid")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    pid: int
+    def __init__(self, worker_id: _Optional[str] = ..., pid: _Optional[int] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
     __slots__ = ()

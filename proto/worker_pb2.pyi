@@ -160,12 +160,14 @@ class DisconnectPeerReply(_message.Message):
     def __init__(self) -> None: ...
 
 class EncodeRequest(_message.Message):
-    __slots__ = ("request_id", "images")
+    __slots__ = ("request_id", "images", "lease_s")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     IMAGES_FIELD_NUMBER: _ClassVar[int]
+    LEASE_S_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     images: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, request_id: _Optional[str] = ..., images: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    lease_s: float
+    def __init__(self, request_id: _Optional[str] = ..., images: _Optional[_Iterable[bytes]] = ..., lease_s: _Optional[float] = ...) -> None: ...
 
 class EncodeReply(_message.Message):
     __slots__ = ("handles",)

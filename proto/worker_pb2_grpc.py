@@ -647,6 +647,11 @@ class EncoderStub:
                 request_serializer=proto_dot_worker__pb2.ReleaseRequest.SerializeToString,
                 response_deserializer=proto_dot_worker__pb2.ReleaseReply.FromString,
                 _registered_method=True)
+        self.RenewLease = channel.unary_unary(
+                '/deepinfer.v1.Encoder/RenewLease',
+                request_serializer=proto_dot_worker__pb2.LeaseRenewal.SerializeToString,
+                response_deserializer=proto_dot_worker__pb2.LeaseRenewalReply.FromString,
+                _registered_method=True)
 
 
 class EncoderServicer:
@@ -669,6 +674,15 @@ class EncoderServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RenewLease(self, request, context):
+        """A heartbeat for the leases of request `request_id` while it waits for a PE to read them: they
+        last `lease_s` from now. The reply's `expires_at` (0: none is left: read, released or expired)
+        is what the handles the router has not yet sent to a PE carry.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EncoderServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -681,6 +695,11 @@ def add_EncoderServicer_to_server(servicer, server):
                     servicer.Release,
                     request_deserializer=proto_dot_worker__pb2.ReleaseRequest.FromString,
                     response_serializer=proto_dot_worker__pb2.ReleaseReply.SerializeToString,
+            ),
+            'RenewLease': grpc.unary_unary_rpc_method_handler(
+                    servicer.RenewLease,
+                    request_deserializer=proto_dot_worker__pb2.LeaseRenewal.FromString,
+                    response_serializer=proto_dot_worker__pb2.LeaseRenewalReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -738,6 +757,33 @@ class Encoder:
             '/deepinfer.v1.Encoder/Release',
             proto_dot_worker__pb2.ReleaseRequest.SerializeToString,
             proto_dot_worker__pb2.ReleaseReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RenewLease(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/deepinfer.v1.Encoder/RenewLease',
+            proto_dot_worker__pb2.LeaseRenewal.SerializeToString,
+            proto_dot_worker__pb2.LeaseRenewalReply.FromString,
             options,
             channel_credentials,
             insecure,

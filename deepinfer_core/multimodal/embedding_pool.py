@@ -4,8 +4,10 @@ One buffer, registered with NIXL once at start, cut into equal slots (every imag
 has the same embedding shape [tokens_per_image, hidden]). Parking an image takes a slot and
 hands out a lease (`EmbeddingHandle`); the slot is free again when the reader's notice says it
 has read it, when the lease is released, or when it expires — so a reader that dies, a request
-that is aborted or a router that forgets cannot hold memory for longer than the lease. The pool
-never grows: when every slot is leased, `park` raises `PoolFull` (the caller answers 429).
+that is aborted or a router that forgets cannot hold memory for longer than the lease. A lease
+can be short and renewed (`renew`, by its owner's id) for as long as its request waits for a
+reader: a router that dies stops renewing, and the slot comes back one short lease later. The
+pool never grows: when every slot is leased, `park` raises `PoolFull` (the caller answers 429).
 Not thread-safe: one thread (the encoder's) calls it.
 """
 
@@ -36,6 +38,7 @@ class PoolFull(EngineError):
 class _Lease:
     slot: int
     expires_at: float
+    owner: str = ""
 
 
 class EmbeddingPool:
@@ -60,15 +63,20 @@ class EmbeddingPool:
         self.metadata: bytes = self._agent.get_agent_metadata()
         self._free = list(range(self.num_slots - 1, -1, -1))
         self._leases: dict[int, _Lease] = {}
+        self._owned: dict[str, set[int]] = {}
+        """owner (the request that asked) -> its live leases: what `renew` extends."""
         self._ids = itertools.count(1)
+        self.renewals = 0
+        """Leases extended by `renew` (one per lease and renewal)."""
 
     @property
     def leased(self) -> int:
         """Slots held by live leases."""
         return len(self._leases)
 
-    def park(self, embeds: torch.Tensor, content_hash: int) -> EmbeddingHandle:
-        """Copy one image's embeddings [P, H] into a free slot; a lease on it."""
+    def park(self, embeds: torch.Tensor, content_hash: int, owner: str = "", lease_s: float = 0.0) -> EmbeddingHandle:
+        """Copy one image's embeddings [P, H] into a free slot; a lease on it for `lease_s` (0: the
+        pool's own), renewable under `owner` (empty: not renewable)."""
         self.reap()
         if not self._free:
             raise PoolFull(f"the embedding pool's {self.num_slots} slots are all leased; retry later")
@@ -77,8 +85,10 @@ class EmbeddingPool:
         slot = self._free.pop()
         self.buffer[slot].copy_(embeds)
         lease_id = next(self._ids)
-        expires_at = time.time() + self.lease_s
-        self._leases[lease_id] = _Lease(slot, expires_at)
+        expires_at = time.time() + (lease_s or self.lease_s)
+        self._leases[lease_id] = _Lease(slot, expires_at, owner)
+        if owner:
+            self._owned.setdefault(owner, set()).add(lease_id)
         return EmbeddingHandle(
             agent_name=self.name,
             agent_metadata=self.metadata,
@@ -97,7 +107,23 @@ class EmbeddingPool:
         if lease is None:
             return False
         self._free.append(lease.slot)
+        owned = self._owned.get(lease.owner)
+        if owned is not None:
+            owned.discard(lease_id)
+            if not owned:
+                del self._owned[lease.owner]
         return True
+
+    def renew(self, owner: str, lease_s: float) -> float:
+        """Extend `owner`'s live leases to `lease_s` from now (never shortened); their end (wall
+        clock), or 0.0 when it holds none: read, released or expired (an expired lease is never
+        brought back: its reader has been told it is void)."""
+        now = time.time()
+        live = [self._leases[i] for i in self._owned.get(owner, ()) if self._leases[i].expires_at > now]
+        for lease in live:
+            lease.expires_at = max(lease.expires_at, now + lease_s)
+        self.renewals += len(live)
+        return min((lease.expires_at for lease in live), default=0.0)
 
     def reap(self) -> int:
         """Free the leases readers have read (their notices) and those past their time; how many."""

@@ -67,13 +67,15 @@ class VisionEncoderRunner:
                 self.cache.put(h, embeds[h])
         return [embeds[h] for _, h in items]
 
-    def park(self, embeds: list[torch.Tensor], hashes: list[int]) -> list[EmbeddingHandle]:
-        """One request's images into the pool: a lease each. Raises PoolFull (none left leased)
-        when the pool has no room for all."""
+    def park(
+        self, embeds: list[torch.Tensor], hashes: list[int], owner: str = "", lease_s: float = 0.0
+    ) -> list[EmbeddingHandle]:
+        """One request's images into the pool: a lease each (`EmbeddingPool.park`). Raises PoolFull
+        (none left leased) when the pool has no room for all."""
         handles: list[EmbeddingHandle] = []
         try:
             for e, h in zip(embeds, hashes):
-                handles.append(self.pool.park(e, h))
+                handles.append(self.pool.park(e, h, owner, lease_s))
         except BaseException:
             for handle in handles:
                 self.pool.release(handle.lease_id)

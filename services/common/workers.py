@@ -59,3 +59,5 @@ class WorkerLoad(EngineLoad):
     """VE: images waiting for a batch now."""
     embedding_leases: int = 0
     """VE: embedding pool slots leased now (0 once every reader has read or every lease expired)."""
+    embedding_lease_renewals: int = 0
+    """VE: leases extended by a router's heartbeat (a request waiting for a PE to read them)."""

@@ -3,6 +3,8 @@
 It serves the head's HTTP and gRPC ports with a gateway and a `RouterCore` of its own, so no token
 crosses an extra hop. Its registry mirrors the head's router (the router of record, where workers
 register) by polling `Router.Status`; it polls each worker's load itself, as the head's router does.
+The same reply lists the workers the head saw die (the controller watches its engines), so a
+reservation this process fenced against a dead PE's writes is freed within a poll of the death.
 Admission counts are shared by every process (`admission.py`) and metrics summed
 (`services/metrics/multiprocess.py`).
 
@@ -162,7 +164,8 @@ class ApiProcess:
         from services.common.messages import info_from_proto
 
         status = await self.head.status()
-        await self.mirror.apply([(info_from_proto(w.info), w.state) for p in status.pools for w in p.workers])
+        listed = [(info_from_proto(w.info), w.state) for p in status.pools for w in p.workers]
+        await self.mirror.apply(listed, [(d.worker_id, d.pid) for d in status.dead_workers])
 
     async def _follow(self) -> str:
         """Mirror the head's registry until the head is gone; returns why it stopped."""

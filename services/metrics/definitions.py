@@ -118,6 +118,15 @@ API_PROCESS_REQUESTS = Counter(
 WORKER_RESTARTS = Counter(
     "deepinfer:worker_restarts_total", "Engines the controller started to replace one that died.", ["pool"]
 )
+LEASE_RENEWALS = Counter(
+    "deepinfer:lease_renewals_total",
+    "Leases the router renewed for a request still waiting (a CE reservation, a vision encoder's embeddings), by stage.",
+    ["stage"],
+)
+FENCES_LIFTED = Counter(
+    "deepinfer:kv_fences_lifted_total",
+    "Fenced decode reservations freed before their lease ended: the prefill engine that could write them died.",
+)
 MIGRATIONS = Counter(
     "deepinfer:migrations_total",
     "Requests moved to a healthy prefill/decode pair mid-stream (prompt + tokens so far re-prefilled), by reason.",

@@ -51,6 +51,11 @@ _COUNTERS = [
     ("handoffs", "Prefill-to-decode hand-offs (sent by a PE, received by a CE).", lambda x: x.handoffs),
     ("encoder_images", "Images a vision encoder encoded.", lambda x: x.encoder_images),
     ("encoder_cache_hits", "Images a vision encoder served from its cache.", lambda x: x.encoder_cache_hits),
+    (
+        "embedding_lease_renewals",
+        "Embedding leases a vision encoder extended: a router's heartbeat while the request waited for its read.",
+        lambda x: x.embedding_lease_renewals,
+    ),  # fmt: skip
     ("spec_decode_draft_tokens", "MTP draft tokens the target model verified.", lambda x: x.spec_draft_tokens),
     ("spec_decode_accepted_tokens", "MTP draft tokens the target model accepted.", lambda x: x.spec_accepted_tokens),
     (

@@ -38,7 +38,7 @@ from services.common.messages import (
 )
 from services.common.params import params_to_proto
 from services.common.prefill_result import PrefillResult
-from services.common.workers import WorkerInfo, WorkerLoad
+from services.common.workers import POOL_ENCODER, WorkerInfo, WorkerLoad
 from services.router.inbox import RequestInbox
 from services.router.subscription import DeltaSubscription, new_subscriber_id
 
@@ -81,13 +81,17 @@ class WorkerClient(Protocol):
     async def renew_lease(
         self, request_id: str, prefill: bool, lease_s: float, expires_at: float, timeout: float
     ) -> float:
-        """A heartbeat for a reservation whose prefill runs. CE (`prefill` False): extend it to
-        `lease_s` from now; PE: its writes may be posted until `expires_at`. Returns the lease's end
+        """A heartbeat for a lease held for a request that waits. CE (`prefill` False): extend its
+        reservation to `lease_s` from now; VE (`prefill` False): the same for the leases on its
+        images' embeddings; PE: its writes may be posted until `expires_at`. Returns the lease's end
         (wall clock; 0.0: the worker holds no such request). Raises ServiceError."""
         ...
 
-    async def encode(self, request_id: str, images: Sequence[bytes], timeout: float) -> list[EmbeddingHandle]:
-        """A vision encoder: a lease on each image's embeddings, in order."""
+    async def encode(
+        self, request_id: str, images: Sequence[bytes], timeout: float, lease_s: float = 0.0
+    ) -> list[EmbeddingHandle]:
+        """A vision encoder: a lease on each image's embeddings, in order, for `lease_s` (0: the
+        encoder's own), renewable under `request_id`."""
         ...
 
     async def release(self, lease_ids: list[int]) -> int:
@@ -113,6 +117,7 @@ class GrpcWorkerClient:
         """`cluster_token`: sent with every call (the worker's server asks for it)."""
         self.name = f"{info.pool_name} worker {info.worker_id} ({info.address})"
         self.worker_id = info.worker_id
+        self.pool = info.pool
         self.batched = batched
         self._channel = channel(info.address)
         self._prefill = auth.stub(worker_pb2_grpc.PrefillStub, self._channel, cluster_token)
@@ -277,15 +282,15 @@ class GrpcWorkerClient:
             return None  # unreachable: dead (it holds nothing) or cut off (it may still act)
 
     async def renew_lease(self, request_id, prefill: bool, lease_s: float, expires_at: float, timeout: float) -> float:
-        stub = self._prefill if prefill else self._decode
+        stub = self._prefill if prefill else self._encoder if self.pool == POOL_ENCODER else self._decode
         req = worker_pb2.LeaseRenewal(request_id=request_id, lease_s=lease_s, expires_at=expires_at)
         try:
             return (await stub.RenewLease(req, timeout=timeout)).expires_at
         except CALL_ERRORS as e:
             raise error_from_rpc(e, self.name) from None
 
-    async def encode(self, request_id, images, timeout) -> list[EmbeddingHandle]:
-        req = worker_pb2.EncodeRequest(request_id=request_id, images=list(images))
+    async def encode(self, request_id, images, timeout, lease_s: float = 0.0) -> list[EmbeddingHandle]:
+        req = worker_pb2.EncodeRequest(request_id=request_id, images=list(images), lease_s=lease_s)
         try:
             reply = await self._encoder.Encode(req, timeout=timeout)
         except grpc.aio.AioRpcError as e:
@@ -358,8 +363,8 @@ class LocalWorkerClient:
             return expires_at if await self.core.renew_lease(request_id, expires_at) else 0.0
         return await self.core.renew_lease(request_id, lease_s)
 
-    async def encode(self, request_id, images, timeout) -> list[EmbeddingHandle]:
-        return await self.core.encode(request_id, list(images))
+    async def encode(self, request_id, images, timeout, lease_s: float = 0.0) -> list[EmbeddingHandle]:
+        return await self.core.encode(request_id, list(images), lease_s)
 
     async def release(self, lease_ids) -> int:
         return self.core.release(list(lease_ids))

@@ -17,6 +17,7 @@ from services.common.deltas import SampleAssembler, SampleDelta
 from services.common.errors import ErrorCode, ServiceError
 from services.common.stream_merge import merge
 from services.common.workers import POOL_COLOCATED, POOL_DECODE, POOL_ENCODER, POOL_NAMES, POOL_PREFILL
+from services.metrics import definitions as m
 from services.router.config import RouterConfig
 from services.router.decode_policy import DecodeCandidate, DecodePolicy
 from services.router.fanout import split_samples
@@ -147,6 +148,7 @@ class RouterCore:
         await ce.client.abort(sub_id, False)  # the request ends now, its blocks fenced
         if await self.registry.wait_dead(pe, self.config.writer_death_wait_s):
             await ce.client.abort(sub_id, False, unused=True)
+            m.FENCES_LIFTED.inc()
 
     def run_later(self, coro) -> None:
         """Run a clean-up call without waiting for it (kept until done; `stop` waits for it)."""

@@ -67,6 +67,8 @@ class PoolRegistry:
         self.workers: dict[str, WorkerHandle] = {}
         self._left: dict[str, WorkerHandle] = {}
         """Workers that left lately (oldest first): one may be declared dead after it left."""
+        self._dead: dict[str, tuple[int, float]] = {}
+        """Workers declared dead lately (oldest first) -> (their pid, when): what `recently_dead` lists."""
         self._changed = asyncio.Event()
 
     # ---- membership ------------------------------------------------------------------------
@@ -128,12 +130,27 @@ class PoolRegistry:
             if isinstance(result, Exception):
                 logger.warning("%s could not let go of %s: %s", pe.worker_id, agent_name, result)
 
-    def declare_dead(self, worker_id: str) -> None:
+    def declare_dead(self, worker_id: str, pid: int = 0) -> None:
         """The worker's process is gone (its actor died, or stopped with its engine): whoever waits
-        on `wait_dead` for it (a reservation fenced against its writes) may go on."""
+        on `wait_dead` for it (a reservation fenced against its writes) may go on. `pid`: only if
+        that is the process this registry knows by the id (a notice relayed late must not end a
+        worker registered again under the same id)."""
         handle = self.workers.get(worker_id) or self._left.get(worker_id)
-        if handle is not None:
-            handle.dead.set()
+        if handle is None or (pid and handle.info.pid and handle.info.pid != pid):
+            return
+        handle.dead.set()
+        if worker_id not in self._dead:
+            self._dead[worker_id] = (handle.info.pid, time.monotonic())
+            while len(self._dead) > _LEFT_KEPT:
+                del self._dead[next(iter(self._dead))]
+
+    def recently_dead(self) -> list[tuple[str, int]]:
+        """(worker id, pid) of the workers declared dead within `DEAD_LISTED_S`: the notices a
+        mirror of this registry relays to its own waiters (`RegistryMirror.apply`)."""
+        since = time.monotonic() - DEAD_LISTED_S
+        for worker_id in [w for w, (_, at) in self._dead.items() if at < since]:
+            del self._dead[worker_id]
+        return [(worker_id, pid) for worker_id, (pid, _) in self._dead.items()]
 
     @staticmethod
     async def wait_dead(handle: WorkerHandle, timeout_s: float) -> bool:
@@ -208,6 +225,9 @@ class PoolRegistry:
 
 _LEFT_KEPT = 256
 """Workers that left remembered for `declare_dead`: far more than leave within a death's detection."""
+DEAD_LISTED_S = 60.0
+"""How long a death stays listed for mirrors: longer than any waiter waits for it
+(`RouterConfig.writer_death_wait_s`) and than a mirror's polls may be late."""
 
 
 async def _let_go(pe: WorkerHandle, agent_name: str) -> None:
@@ -225,8 +245,10 @@ class RegistryMirror:
         self._mirrored: dict[str, WorkerInfo] = {}
         """What the other router listed at the last `apply`, by worker id."""
 
-    async def apply(self, listed: list[tuple[WorkerInfo, str]]) -> None:
-        """Bring the registry to `listed`: (info, state) of every worker of the other router."""
+    async def apply(self, listed: list[tuple[WorkerInfo, str]], dead: list[tuple[str, int]] = ()) -> None:
+        """Bring the registry to `listed`: (info, state) of every worker of the other router; `dead`:
+        (worker id, pid) of those it declared dead lately, declared dead here too (a reservation this
+        router fenced against such a worker's writes is freed now, not at the end of its lease)."""
         upstream = {info.worker_id: (info, state) for info, state in listed}
         for worker_id in [w for w in self._mirrored if w not in upstream]:
             del self._mirrored[worker_id]
@@ -238,3 +260,5 @@ class RegistryMirror:
             handle = self.registry.workers.get(worker_id)
             if handle is not None and state == DRAINING and handle.state != DRAINING:
                 self.registry.drain(worker_id)
+        for worker_id, pid in dead:  # after the removals: the handle is among those that left
+            self.registry.declare_dead(worker_id, pid)

@@ -173,13 +173,20 @@ class SampleFlow:
             sub_id = self._sub_id(attempt)
             self._handed_out = False
             images = await encoder.encode(sub_id) if encoder is not None else self.images
-            ce, kv_target = await self._reserve(sub_id, prompt, params, suspect_ce)
-            lease = LeaseKeeper(ce, sub_id, kv_target, self.config.pd.renewed_lease_s, self._writer)
+            try:
+                ce, kv_target = await self._reserve(sub_id, prompt, params, suspect_ce)
+            except BaseException:  # no CE (in time), or cancelled while waiting: no PE will read them
+                if encoder is not None:
+                    encoder.release(images)
+                raise
+            lease = LeaseKeeper(ce, sub_id, self.config.pd.renewed_lease_s, _renewer(kv_target), self._writer)
             try:
                 try:
                     first = await self._prefill(sub_id, prompt, params, kv_target, tried_pe, images)
                 finally:
                     lease.stop()
+                    if encoder is not None:
+                        encoder.settled()
             except RetryPrefill as retry:
                 last_error = retry.error
                 lost = EMBEDDINGS_UNAVAILABLE in retry.error.message  # the encoder's lease, not the PE, failed
@@ -378,3 +385,12 @@ class SampleFlow:
         worker.inflight_tokens -= tokens
         worker.inflight_blocks -= blocks_for(tokens, worker.info.block_size)
         self.router.registry.released(worker)
+
+
+def _renewer(target: KVTarget) -> Callable[[float], None]:
+    """A prefill not sent yet carries the reservation's new end."""
+
+    def renewed(expires_at: float) -> None:
+        target.expires_at = expires_at
+
+    return renewed

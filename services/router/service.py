@@ -72,4 +72,7 @@ def cluster_status(
         status = pools.setdefault(pool, common_pb2.PoolStatus(pool=pool, ranks_per_instance=ep_sizes.get(pool, 1)))
         status.workers.append(worker_status(h))
     ready, detail = core.ready()
-    return common_pb2.ClusterStatus(pools=list(pools.values()), model=core.model, ready=ready, detail=detail)
+    dead = [common_pb2.DeadWorker(worker_id=w, pid=pid) for w, pid in core.registry.recently_dead()]
+    return common_pb2.ClusterStatus(
+        pools=list(pools.values()), model=core.model, ready=ready, detail=detail, dead_workers=dead
+    )

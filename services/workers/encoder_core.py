@@ -7,6 +7,8 @@
 A request whose caller went away (client disconnect, router abort) while it was queued or
 encoding parks nothing; one that went away just after parking has its leases released. Every
 other lease ends with the reader's notice, `Release`, or its expiry: the pool empties itself.
+The router asks for a short lease and renews it by the request's id while the request waits
+for a prefill engine to read it (`renew_lease`, the router's `LeaseKeeper`).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ _REAP_EVERY_S = 0.05
 class _Job:
     request_id: str
     items: list  # (pixels, content hash) per image
+    lease_s: float = 0.0  # 0: the pool's own
     future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
     cancelled: bool = False
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -69,16 +72,17 @@ class EncoderCore:
         """A VE has no subscriptions."""
 
     # ---- requests --------------------------------------------------------------------------
-    async def encode(self, request_id: str, images: list[bytes]) -> list[EmbeddingHandle]:
-        """A lease per image, in order. INVALID_ARGUMENT for an image that does not decode,
-        RESOURCE_EXHAUSTED when the queue or the pool is full."""
+    async def encode(self, request_id: str, images: list[bytes], lease_s: float = 0.0) -> list[EmbeddingHandle]:
+        """A lease per image, in order, for `lease_s` (0: `EncoderConfig.lease_s`), renewable under
+        `request_id`. INVALID_ARGUMENT for an image that does not decode, RESOURCE_EXHAUSTED when
+        the queue or the pool is full."""
         self._check_accepting(len(images))
         jobs = [self.loop.run_in_executor(self._decoders, self.runner.preprocess, image) for image in images]
         try:
             items = await asyncio.gather(*jobs)
         except InvalidRequestError as e:
             raise ServiceError(ErrorCode.INVALID_ARGUMENT, str(e)) from None
-        job = _Job(request_id, list(items))
+        job = _Job(request_id, list(items), lease_s)
         with self._cv:
             self._check_accepting(len(images))
             self._jobs.append(job)
@@ -112,6 +116,12 @@ class EncoderCore:
         """Free leases early; how many were still held."""
         with self._pool_lock:
             return sum(self.runner.pool.release(i) for i in lease_ids)
+
+    async def renew_lease(self, request_id: str, lease_s: float) -> float:
+        """A heartbeat: the request's unread leases last `lease_s` from now. Their end (wall
+        clock), 0.0 when none is left (read, released or expired: nothing to keep)."""
+        with self._pool_lock:
+            return self.runner.pool.renew(request_id, lease_s)
 
     # ---- the encoder thread -------------------------------------------------------------------
     def _run(self) -> None:
@@ -161,7 +171,8 @@ class EncoderCore:
                 if job.cancelled:
                     continue
                 try:
-                    job.future.set_result(self.runner.park(mine, [h for _, h in job.items]))
+                    hashes = [h for _, h in job.items]
+                    job.future.set_result(self.runner.park(mine, hashes, job.request_id, job.lease_s))
                 except PoolFull as e:
                     job.future.set_exception(ServiceError(ErrorCode.RESOURCE_EXHAUSTED, str(e)))
         for job in batch:
@@ -180,6 +191,7 @@ class EncoderCore:
             encoder_cache_hits=self.runner.cache_hits,
             encoder_queue_images=self._queued_images,
             embedding_leases=leases,
+            embedding_lease_renewals=self.runner.pool.renewals,
         )
 
     def health(self) -> tuple[bool, str]:

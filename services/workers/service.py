@@ -137,12 +137,21 @@ class EncoderService(worker_pb2_grpc.EncoderServicer):
 
     @handles_errors
     async def Encode(self, request, context):
-        handles = await self.core.encode(request.request_id, list(request.images))
+        if request.lease_s < 0:
+            raise ServiceError(ErrorCode.INVALID_ARGUMENT, "lease_s must be >= 0", "lease_s")
+        handles = await self.core.encode(request.request_id, list(request.images), request.lease_s)
         return worker_pb2.EncodeReply(handles=[handle_to_proto(h) for h in handles])
 
     @handles_errors
     async def Release(self, request, context):
         return worker_pb2.ReleaseReply(released=self.core.release(list(request.lease_ids)))
+
+    @handles_errors
+    async def RenewLease(self, request, context):
+        if request.lease_s <= 0:
+            raise ServiceError(ErrorCode.INVALID_ARGUMENT, "lease_s must be > 0", "lease_s")
+        expires_at = await self.core.renew_lease(request.request_id, request.lease_s)
+        return worker_pb2.LeaseRenewalReply(found=expires_at > 0, expires_at=expires_at)
 
 
 class WorkerService(worker_pb2_grpc.WorkerServicer):

@@ -8,6 +8,7 @@ import json
 import os
 import signal
 import threading
+import time
 from typing import Optional
 
 import grpc
@@ -54,6 +55,27 @@ def wait_at_rest(serve, timeout_s: float = 60.0, prefix_blocks: Optional[dict[st
         return view if ok else None
 
     return wait_until(rest, timeout_s, 0.25) or held(serve)
+
+
+def long_prompt(i: int) -> str:
+    """~470 tokens, none shared with another request's (no prefix cache hit shortens its prefill)."""
+    return f"request {i}: " + " ".join(f"chapter {j} of story {i}" for j in range(36))
+
+
+def wait_fence_lifted(serve, killed_at: float, timeout_s: float = 15.0) -> tuple[float, int]:
+    """Until no CE holds a fenced reservation (at least a second after `killed_at`, a
+    `time.monotonic()`: past the first polls after a kill): (seconds after the kill, most fenced
+    reservations seen meanwhile); the seconds are `timeout_s` or more when the fence stayed."""
+    seen = 0
+
+    def lifted() -> bool:
+        nonlocal seen
+        fenced = sum(w.load.fenced_reservations for w in workers(serve, DECODE))
+        seen = max(seen, fenced)
+        return fenced == 0 and time.monotonic() - killed_at > 1.0
+
+    wait_until(lifted, timeout_s=timeout_s, interval_s=0.1)
+    return time.monotonic() - killed_at, seen
 
 
 class Streams:

@@ -1,11 +1,13 @@
 """The vision encoder worker's core and a prefill worker's embedding reads, over real NIXL (UCX
 on loopback) and real threads, without gRPC: batching across requests, the encoder cache, and
 the embedding pool returning to empty after a read, a release (the PE failed before reading),
-a caller that went away mid-encode, and lease expiry; the reader registers its buffer once."""
+a caller that went away mid-encode, and lease expiry; a lease renewed past its first end is still
+read; the reader registers its buffer once."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 
 import pytest
@@ -105,6 +107,38 @@ def test_leases_are_freed_by_release_expiry_and_a_caller_that_went_away(model_co
             core.stop()
 
     _run(main())
+
+
+def test_a_renewed_lease_outlives_its_first_end_and_is_read_and_a_lapsed_one_is_not_renewed(model_config):
+    async def main():
+        runner = _runner(model_config)
+        core = EncoderCore(runner, "ve-4")
+        core.start()
+        try:
+            handles = await core.encode("waits", [PNGS[0]], lease_s=2.0)
+            assert handles[0].expires_at < time.time() + 2.5  # the lease asked for, not the pool's 30 s
+            waited_until = time.monotonic() + 5.0  # past the first end and the reuse grace (2 + 2 s)
+            while time.monotonic() < waited_until:
+                await asyncio.sleep(0.5)
+                end = await core.renew_lease("waits", 2.0)
+                assert end > time.time() + 1.5
+            assert core.stats().embedding_leases == 1 and core.stats().embedding_lease_renewals >= 9
+            renewed = [dataclasses.replace(h, expires_at=end) for h in handles]
+            embeds, _ = await EmbeddingFetcher("pe-4").read(renewed)
+            assert await _until(lambda: runner.pool.leased == 0)  # its notice freed it
+            assert await core.renew_lease("waits", 2.0) == 0.0  # read: nothing to keep
+            # a lease that lapsed is not brought back (its reader was told it is void)
+            await core.encode("lapsed", [PNGS[1]], lease_s=0.3)
+            await asyncio.sleep(0.5)
+            assert await core.renew_lease("lapsed", 2.0) == 0.0
+            assert await core.renew_lease("nobody", 2.0) == 0.0
+            return embeds
+        finally:
+            core.stop()
+
+    embeds = _run(main())
+    processor = MultiModalProcessor.for_model(_runner(model_config).encoder, model_config.path, torch.device("cpu"))
+    assert torch.equal(embeds[0], processor.encode(PNGS[:1])[0][0])
 
 
 def test_a_read_of_an_expired_lease_is_a_clear_error(model_config):

@@ -1,12 +1,14 @@
 """`RegistryMirror`: a router's registry that follows another router's membership (each extra API
 process of `deepinfer serve --api-workers N` follows the head's) — joins, drains and leaves as the
-other router lists them, never connects PEs to CEs itself (the router they registered with did), and
-does not take back a worker it dropped for missed polls while the other still lists it unchanged."""
+other router lists them, never connects PEs to CEs itself (the router they registered with did), does
+not take back a worker it dropped for missed polls while the other still lists it unchanged, and
+declares dead the workers the other router declared dead (that process of the id only)."""
 
 import asyncio
 import dataclasses
 
 from services.common.workers import POOL_DECODE, POOL_PREFILL, WorkerInfo
+from services.router import registry as registry_module
 from services.router.registry import DRAINING, READY, PoolRegistry, RegistryMirror
 
 PE = WorkerInfo("pe-0", POOL_PREFILL, 2, "127.0.0.1:1", pid=10)
@@ -56,3 +58,38 @@ def test_a_worker_dropped_for_missed_polls_stays_out_until_it_registers_again():
         return while_listed_unchanged, "ce-0" in registry.workers
 
     assert asyncio.run(run()) == (False, True)
+
+
+def test_a_death_the_other_router_declared_is_declared_here_for_that_process_only():
+    async def run():
+        head, registry = PoolRegistry(RecordingClient), PoolRegistry(RecordingClient)
+        mirror = RegistryMirror(registry)
+        await head.add(PE, connect_peers=False)
+        await mirror.apply([(PE, READY)])
+        pe = registry.workers["pe-0"]  # what a reservation fenced against its writes waits on
+        waiter = asyncio.ensure_future(registry.wait_dead(pe, 5.0))
+        await head.remove("pe-0")
+        head.declare_dead("pe-0")
+        listed_dead = head.recently_dead()
+        await mirror.apply([], listed_dead)
+        freed = await waiter
+        # the id registered again by a new process: a late copy of the old notice does not touch it
+        await mirror.apply([(dataclasses.replace(PE, pid=99), READY)], listed_dead)
+        return listed_dead, freed, registry.workers["pe-0"].dead.is_set(), registry.recently_dead()
+
+    listed_dead, freed, new_one_dead, relayed = asyncio.run(run())
+    assert listed_dead == [("pe-0", 10)] and freed and not new_one_dead
+    assert relayed == [("pe-0", 10)]
+
+
+def test_a_death_is_listed_for_a_while_then_forgotten(monkeypatch):
+    async def run():
+        head = PoolRegistry(RecordingClient)
+        await head.add(PE, connect_peers=False)
+        head.declare_dead("pe-0")
+        head.declare_dead("nobody")  # never known: nothing to relay
+        listed = head.recently_dead()
+        monkeypatch.setattr(registry_module, "DEAD_LISTED_S", 0.0)
+        return listed, head.recently_dead()
+
+    assert asyncio.run(run()) == ([("pe-0", 10)], [])

@@ -36,7 +36,7 @@ class Fakes:
         self.leased: set[int] = set()
         self._ids = itertools.count(1)
 
-    async def encode(self, request_id, images, timeout) -> list[EmbeddingHandle]:
+    async def encode(self, request_id, images, timeout, lease_s=0.0) -> list[EmbeddingHandle]:
         if self.encoder_full:
             raise ServiceError(ErrorCode.RESOURCE_EXHAUSTED, "the embedding pool is full")
         self.encodes += 1
@@ -48,6 +48,9 @@ class Fakes:
         freed = self.leased & set(lease_ids)
         self.leased -= freed
         return len(freed)
+
+    async def renew_lease(self, request_id, prefill, lease_s, expires_at, timeout) -> float:
+        return 0.0  # these requests never wait for a heartbeat
 
     async def reserve(self, request_id, prompt, params, lease_s, timeout) -> KVTarget:
         return KVTarget(request_id, "ce", b"", 0, 1, 0, "DRAM", [0], "f", len(prompt))

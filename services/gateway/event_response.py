@@ -10,6 +10,9 @@ begin, then each event through the server's own `send`, which `EventStreamApp` l
 The events are pumped in a task of their own, beside one that reads `receive`: the client leaving
 cancels the pump, whose generators end there (their `finally`s abort the request upstream). The admitted work is let go
 once the response is over, whether the stream ran to its end, failed, or never started.
+
+A request's fast lane (`sse_lane.py`) is given the server's `send` once the response has started:
+from then on its ordinary mid-stream events are written to the connection without the pump.
 """
 
 from __future__ import annotations

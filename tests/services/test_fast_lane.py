@@ -13,6 +13,7 @@ import re
 import threading
 import time
 
+import httpx
 import pytest
 
 from benchmarks.token_source import WORDS, TokenSourceEngine, expected_tokens, token_source_config
@@ -170,3 +171,22 @@ def test_leaving_mid_stream_frees_everything(head):
     while head.idle() != idle or head.engine.requests:
         assert time.monotonic() < deadline, (head.idle(), len(head.engine.requests))
         time.sleep(0.05)
+
+
+def test_an_asgi_test_client_gets_every_event_through_the_chain(head):
+    """No uvicorn cycle behind the app (httpx's ASGI transport): the lane is offered the deltas and
+    declines each one; the chain delivers them all."""
+
+    async def via_asgi() -> bytes:
+        transport = httpx.ASGITransport(app=head.front.app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+            body = {"model": "m", "prompt": [6, 1, 2], "max_tokens": 20, "stream": True}
+            response = await client.post("/v1/completions", json=body)
+            return response.content
+
+    taken, declined = COUNTS.taken, COUNTS.declined
+    body = head.call(via_asgi())
+    assert COUNTS.taken == taken and COUNTS.declined - declined >= 10
+    events = [e + b"\n\n" for e in body.split(b"\n\n") if e]
+    objs = [_check_format(e) for e in _events(events)[:-1]]
+    assert "".join(o["choices"][0]["text"] for o in objs) == "".join(WORDS[t] for t in expected_tokens([6], 20))

@@ -14,7 +14,9 @@ the level below it:
     router     + RouterCore.generate: the sample flow, the assembler, the merge of samples
     gateway    + GatewayCore.generate: the merge of prompts, the choices
     sse        + the SSE event stream: chunk building, JSON, framing
-    http       + FastAPI / Starlette / uvicorn: the ASGI send and the HTTP/1.1 chunked body
+    http       + FastAPI / Starlette / uvicorn: the ASGI send and the HTTP/1.1 chunked body; with
+               httptools, mid-stream tokens take the fast lane (`services/gateway/sse_lane.py`)
+               and skip the levels above, so a stage's difference can be below zero
     grpc       gateway + the gRPC servicer: response messages, serialized as grpc.aio would
 
 `--profile LEVEL` runs that level once more under cProfile and splits its time by where it is

@@ -3,8 +3,9 @@ are fed once per engine turn, and a socket transport that only counts what uvico
 
 `TurnSource` plays a decode worker as the router sees it once the worker -> router hop carries
 one message per engine turn: each turn puts the next delta of every open stream into that
-stream's queue, then yields the loop once, so every consumer runs before the next turn. A reader
-that finds several deltas queued takes them as one (`deltas.merge`), as the router's inbox does.
+stream's `RequestInbox` (the router's own, as its subscription reader does, fast lane included),
+then yields the loop once, so every consumer runs before the next turn. A reader that finds
+several deltas queued takes them as one (`deltas.merge`), as the router's inbox does.
 A stream carries token j = (first prompt id + j) % 256 with the text " w<id>", and ends with
 finish_reason 'length' at its max_tokens.
 """
@@ -12,11 +13,13 @@ finish_reason 'length' at its max_tokens.
 from __future__ import annotations
 
 import asyncio
-from collections import deque
 from typing import Optional
 
-from services.common.deltas import SampleDelta, TokenLogprob, merge
+from proto import common_pb2
+from services.common.deltas import SampleDelta, TokenLogprob
+from services.common.messages import fill_delta
 from services.common.workers import POOL_COLOCATED, WorkerInfo, WorkerLoad
+from services.router.inbox import RequestInbox
 
 VOCAB = 256
 WORDS = tuple(f" w{i}" for i in range(VOCAB))
@@ -24,15 +27,20 @@ WORDS = tuple(f" w{i}" for i in range(VOCAB))
 
 class _Stream:
     def __init__(self, first_id: int, max_tokens: int, top_logprobs: Optional[int]):
-        self.queue: deque[SampleDelta] = deque()
-        self.waiter: Optional[asyncio.Future] = None
+        self.inbox = RequestInbox(None)
         self.first_id = first_id
         self.max_tokens = max_tokens
         self.top = top_logprobs
         self.sent_tokens = 0
         self.sent_chars = 0
 
-    def next_delta(self) -> SampleDelta:
+    def next_delta(self) -> common_pb2.SampleDelta:
+        """The next delta, as the worker's subscription carries it."""
+        msg = common_pb2.SampleDelta()
+        fill_delta(msg, self._next())
+        return msg
+
+    def _next(self) -> SampleDelta:
         token = (self.first_id + self.sent_tokens) % VOCAB
         text = WORDS[token]
         last = self.sent_tokens + 1 == self.max_tokens
@@ -50,20 +58,6 @@ class _Stream:
         )
         self.sent_tokens += 1
         self.sent_chars += len(text)
-        return delta
-
-    def put(self, delta: SampleDelta) -> None:
-        self.queue.append(delta)
-        if self.waiter is not None and not self.waiter.done():
-            self.waiter.set_result(None)
-
-    async def take(self) -> SampleDelta:
-        while not self.queue:
-            self.waiter = asyncio.get_running_loop().create_future()
-            await self.waiter
-        delta = self.queue.popleft()
-        while self.queue and not delta.finished:
-            delta = merge(delta, self.queue.popleft())
         return delta
 
 
@@ -87,13 +81,15 @@ class TurnSource:
         self.streams[request_id] = stream
         return self._read(request_id, stream)
 
+    def inbox(self, request_id: str) -> Optional[RequestInbox]:
+        """As `GrpcWorkerClient.inbox`: where a request's fast lane attaches."""
+        stream = self.streams.get(request_id)
+        return stream.inbox if stream is not None else None
+
     async def _read(self, request_id: str, stream: _Stream):
         try:
-            while True:
-                delta = await stream.take()
+            async for delta in stream.inbox.deltas():
                 yield delta
-                if delta.finished:
-                    return
         finally:
             self.streams.pop(request_id, None)
 
@@ -103,7 +99,7 @@ class TurnSource:
             for stream in list(self.streams.values()):
                 for _ in range(self.tokens_per_turn):
                     if stream.sent_tokens < stream.max_tokens:
-                        stream.put(stream.next_delta())
+                        stream.inbox.put(stream.next_delta())
                         self.finished += stream.sent_tokens == stream.max_tokens
             await asyncio.sleep(0)
 

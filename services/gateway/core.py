@@ -93,6 +93,21 @@ class Choice:
                 raise ServiceError(ErrorCode.UNAVAILABLE, f"generation failed: {delta.error or delta.finish_reason}")
 
 
+class StreamClock:
+    """When a request's first token and its latest delta came (TTFT, end-to-end, per-token metrics)."""
+
+    __slots__ = ("first_at", "last_at")
+
+    def __init__(self):
+        self.first_at: Optional[float] = None
+        self.last_at: Optional[float] = None
+
+    def tick(self, delta: SampleDelta) -> None:
+        self.last_at = now = time.monotonic()
+        if self.first_at is None and delta.token_ids:
+            self.first_at = now
+
+
 class GatewayCore:
     def __init__(self, config: GatewayConfig, tokenizer, router, admission: Optional[Admission] = None):
         """`admission`: the count of requests in flight (default: this process's alone)."""
@@ -203,29 +218,34 @@ class GatewayCore:
         params: SamplingParams,
         request_id: Optional[str] = None,
         images: Sequence[bytes] = (),
+        lane=None,
     ) -> AsyncIterator[tuple[Choice, SampleDelta]]:
         """Deltas of every (prompt, sample), each with its `Choice` (updated before it is yielded).
         Several prompts are merged (each choice's waiting deltas as one); one prompt is read as it is.
-        `images`: of a single (chat) prompt."""
+        `images`: of a single (chat) prompt. `lane`: the request's fast lane (`gateway/sse_lane.py`),
+        given the choice and the clock of a request with one prompt and one sample."""
         request_id = request_id or uuid.uuid4().hex
         arrival = time.monotonic()
         n = params.n
         choices = [Choice(p * n + i, len(ids), i) for p, ids in enumerate(prompts) for i in range(n)]
         timeout_s = self.config.limits.request_timeout_s
-        streams = [
-            self.router.generate(f"{request_id}-{p}", ids, params, timeout_s, images) for p, ids in enumerate(prompts)
-        ]
+        clock = StreamClock()
+        if lane is not None and len(choices) == 1:
+            lane.choice, lane.clock = choices[0], clock
+            streams = [self.router.generate(f"{request_id}-0", prompts[0], params, timeout_s, images, lane=lane)]
+        else:
+            streams = [
+                self.router.generate(f"{request_id}-{p}", ids, params, timeout_s, images)
+                for p, ids in enumerate(prompts)
+            ]
         many = len(streams) > 1
         stream = merge(streams) if many else streams[0]
-        first_at = last_at = None
         try:
             async for item in stream:
                 p, delta = item if many else (0, item)
                 choice = choices[p * n + delta.index]
                 choice.add(delta)
-                last_at = time.monotonic()
-                if first_at is None and delta.token_ids:
-                    first_at = last_at
+                clock.tick(delta)
                 yield choice, delta
         except ServiceError as e:
             m.REQUEST_ERRORS.labels(e.code.name).inc()
@@ -234,7 +254,7 @@ class GatewayCore:
             raise
         finally:
             await stream.aclose()
-        self._observe(choices, arrival, first_at, last_at)
+        self._observe(choices, arrival, clock.first_at, clock.last_at)
 
     def _observe(self, choices: list[Choice], arrival: float, first_at, last_at) -> None:
         model = self.config.model_name

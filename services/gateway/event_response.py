@@ -10,6 +10,9 @@ begin, then each event through the server's own `send`, which `EventStreamApp` l
 The events are pumped in a task of their own, beside one that reads `receive`: the client leaving
 cancels the pump, whose generators end there (their `finally`s abort the request upstream). The admitted work is let go
 once the response is over, whether the stream ran to its end, failed, or never started.
+
+A request's fast lane (`sse_lane.py`) is given the server's `send` once the response has started:
+from then on its ordinary mid-stream events are written to the connection without the pump.
 """
 
 from __future__ import annotations
@@ -36,9 +39,11 @@ class EventStreamApp(FastAPI):
 class EventStream(StreamingResponse):
     """`text/event-stream` of `events`; `on_end()` once the response is over."""
 
-    def __init__(self, events: AsyncIterator[bytes], on_end):
+    def __init__(self, events: AsyncIterator[bytes], on_end, lane=None):
+        """`lane`: the request's fast lane (`sse_lane.py`), connected to the server's `send` here."""
         super().__init__(events, media_type="text/event-stream")
         self._on_end = on_end
+        self._lane = lane
 
     async def __call__(self, scope, receive, send) -> None:
         try:
@@ -48,8 +53,11 @@ class EventStream(StreamingResponse):
 
     async def _stream(self, scope, receive, send) -> None:
         await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        server_send = scope.get(SERVER_SEND, send)  # no SERVER_SEND: a test client
+        if self._lane is not None:
+            self._lane.connect(server_send)
         # in tasks of their own: each wake-up resumes the stream's frames, not every ASGI layer's above it
-        pump = asyncio.ensure_future(self._pump(scope.get(SERVER_SEND, send)))  # no SERVER_SEND: a test client
+        pump = asyncio.ensure_future(self._pump(server_send))
         listener = asyncio.ensure_future(_until_disconnect(receive))
         try:
             await asyncio.wait((pump, listener), return_when=asyncio.FIRST_COMPLETED)

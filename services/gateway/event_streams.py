@@ -17,9 +17,10 @@ logger = logging.getLogger(__name__)
 
 
 async def completion_events(
-    core: GatewayCore, prompts: list[list[int]], params, fmt: Formatter, include_usage: bool, deltas=None
+    core: GatewayCore, prompts: list[list[int]], params, fmt: Formatter, include_usage: bool, deltas=None, lane=None
 ) -> AsyncIterator[bytes]:
-    """`deltas`: the request's `core.generate` stream, already started (None: started here)."""
+    """`deltas`: the request's `core.generate` stream, already started (None: started here).
+    `lane`: the request's fast lane (`sse_lane.py`), given its chunk builder once the first event is out."""
     chunks = StreamChunks(fmt, chat=False)
     choices: dict[int, Choice] = {}
     deltas = deltas if deltas is not None else core.generate(prompts, params, fmt.id)
@@ -27,6 +28,8 @@ async def completion_events(
         async for choice, delta in deltas:
             choices[choice.index] = choice
             yield chunks.completion(choice, delta)
+            if lane is not None:
+                lane.render, lane = chunks.completion, None
         if include_usage:
             yield chunks.usage(usage(list(choices.values())))
     except ServiceError as e:
@@ -38,9 +41,17 @@ async def completion_events(
 
 
 async def chat_events(
-    core: GatewayCore, prompts: list[list[int]], params, fmt: Formatter, include_usage: bool, images=(), deltas=None
+    core: GatewayCore,
+    prompts: list[list[int]],
+    params,
+    fmt: Formatter,
+    include_usage: bool,
+    images=(),
+    deltas=None,
+    lane=None,
 ) -> AsyncIterator[bytes]:
-    """`deltas`: the request's `core.generate` stream, already started (None: started here)."""
+    """`deltas`: the request's `core.generate` stream, already started (None: started here).
+    `lane`: the request's fast lane (`sse_lane.py`), given its chunk builder once the role is out."""
     chunks = StreamChunks(fmt, chat=True)
     choices: dict[int, Choice] = {}
     deltas = deltas if deltas is not None else core.generate(prompts, params, fmt.id, images)
@@ -52,6 +63,8 @@ async def chat_events(
             event = chunks.chat(choice, delta)
             if event is not None:
                 yield event
+            if lane is not None:
+                lane.render, lane = chunks.chat, None
         if include_usage:
             yield chunks.usage(usage(list(choices.values())))
     except ServiceError as e:

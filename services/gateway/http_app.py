@@ -30,6 +30,7 @@ from services.gateway.event_response import EventStream, EventStreamApp
 from services.gateway.event_streams import chat_events, completion_events
 from services.gateway.protocol import ChatCompletionRequest, CompletionRequest
 from services.gateway.responses import Formatter, error_body, service_error_body
+from services.gateway.sse_lane import SseLane
 
 logger = logging.getLogger(__name__)
 
@@ -190,16 +191,17 @@ async def _respond(request, core, prompts, params, fmt, stream, include_usage, c
     # counted in now, while a status can still say 429; a stream lets go when its response is over
     work = core.admit(prompts, params)
     if stream:
+        lane = SseLane.for_request(prompts, params)  # None: the request's every delta takes the chain
         try:  # the headers wait for the first delta: a refusal before it is a status (429/503, Retry-After)
-            deltas = await _started(request, core.generate(prompts, params, fmt.id, images))
+            deltas = await _started(request, core.generate(prompts, params, fmt.id, images, lane=lane))
         except BaseException:
             core.release(work)
             raise
         if chat:
-            events = chat_events(core, prompts, params, fmt, include_usage, images, deltas=deltas)
+            events = chat_events(core, prompts, params, fmt, include_usage, images, deltas=deltas, lane=lane)
         else:
-            events = completion_events(core, prompts, params, fmt, include_usage, deltas=deltas)
-        return EventStream(events, on_end=lambda: core.release(work))
+            events = completion_events(core, prompts, params, fmt, include_usage, deltas=deltas, lane=lane)
+        return EventStream(events, on_end=lambda: core.release(work), lane=lane)
     try:
         choices = await _until_disconnect(request, _collect(core, prompts, params, fmt.id, images))
     finally:

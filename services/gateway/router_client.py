@@ -19,9 +19,10 @@ from services.common.params import params_to_proto
 
 class RouterClient(Protocol):
     def generate(
-        self, request_id: str, prompt: list[int], params: SamplingParams, timeout_s: float, images=()
+        self, request_id: str, prompt: list[int], params: SamplingParams, timeout_s: float, images=(), lane=None
     ) -> AsyncIterator[SampleDelta]:
-        """`images`: encoded files, one per (expanded) image placeholder run of `prompt`."""
+        """`images`: encoded files, one per (expanded) image placeholder run of `prompt`. `lane`: the
+        request's fast lane (`services/common/fast_lane.py`), for a router in this process to feed."""
         ...
 
     async def status(self) -> common_pb2.ClusterStatus: ...
@@ -33,7 +34,8 @@ class GrpcRouterClient:
         self._channel = channel(address)
         self._stub = auth.stub(router_pb2_grpc.RouterStub, self._channel, cluster_token)
 
-    async def generate(self, request_id, prompt, params, timeout_s, images=()) -> AsyncIterator[SampleDelta]:
+    async def generate(self, request_id, prompt, params, timeout_s, images=(), lane=None) -> AsyncIterator[SampleDelta]:
+        # `lane` is not fed: the router's deltas come over gRPC, read by this stream
         req = router_pb2.RouteRequest(
             request_id=request_id,
             prompt_token_ids=prompt,
@@ -75,8 +77,8 @@ class LocalRouterClient:
     def __init__(self, core):
         self.core = core
 
-    def generate(self, request_id, prompt, params, timeout_s, images=()) -> AsyncIterator[SampleDelta]:
-        return self.core.generate(request_id, prompt, params, timeout_s, images)
+    def generate(self, request_id, prompt, params, timeout_s, images=(), lane=None) -> AsyncIterator[SampleDelta]:
+        return self.core.generate(request_id, prompt, params, timeout_s, images, lane)
 
     async def status(self) -> common_pb2.ClusterStatus:
         from services.router.service import cluster_status

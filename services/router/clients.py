@@ -202,6 +202,10 @@ class GrpcWorkerClient:
             self._drop(request_id, inbox)
 
     # ---- the subscription ----------------------------------------------------------------------
+    def inbox(self, request_id: str) -> Optional[RequestInbox]:
+        """The open inbox of a request read through the subscription (its fast lane attaches there)."""
+        return self._inboxes.get(request_id)
+
     async def _open_inbox(self, request_id: str, timeout: float) -> Optional[RequestInbox]:
         """The request's inbox on this worker's subscription (opened if need be); None when the
         request is to be read through its own call."""

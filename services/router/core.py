@@ -15,6 +15,7 @@ from typing import Optional
 from deepinfer_core.sampling_params import SamplingParams
 from services.common.deltas import SampleAssembler, SampleDelta
 from services.common.errors import ErrorCode, ServiceError
+from services.common.fast_lane import FastLane
 from services.common.stream_merge import merge
 from services.common.workers import POOL_COLOCATED, POOL_DECODE, POOL_ENCODER, POOL_NAMES, POOL_PREFILL
 from services.metrics import definitions as m
@@ -58,11 +59,18 @@ class RouterCore:
 
     # ---- requests --------------------------------------------------------------------------
     async def generate(
-        self, request_id: str, prompt: list[int], params: SamplingParams, timeout_s: float = 0.0, images=()
+        self,
+        request_id: str,
+        prompt: list[int],
+        params: SamplingParams,
+        timeout_s: float = 0.0,
+        images=(),
+        lane: Optional[FastLane] = None,
     ) -> AsyncIterator[SampleDelta]:
         """Deltas of every sample as the client may see them (stop strings held back until
         settled). Raises ServiceError; leaving early aborts the request everywhere. `images`:
-        encoded files, one per image placeholder run of `prompt` (expanded)."""
+        encoded files, one per image placeholder run of `prompt` (expanded). `lane`: the caller's
+        fast lane, which takes ordinary mid-stream deltas of a one-sample request past this stream."""
         self._validate(prompt, params)
         request_id = self._claim(request_id)
         try:
@@ -73,6 +81,9 @@ class RouterCore:
             assemblers = [SampleAssembler(i, holdback) for i in range(len(samples))]
             flows = [SampleFlow(self, request_id, i, prompt, p, deadline, images) for i, p in enumerate(samples)]
             many = len(flows) > 1  # one sample (n = 1) is read directly, without the merge's tasks and queue
+            if lane is not None and not many:
+                flows[0].lane = lane
+                lane.route = _route(flows[0].progress, assemblers[0])
             stream = merge([f.deltas() for f in flows]) if many else flows[0].deltas()
             try:
                 async for item in stream:
@@ -211,6 +222,12 @@ class RouterCore:
         if missing:
             return False, f"waiting for a ready worker in pool(s): {', '.join(missing)}{notes}"
         return True, f"ok{notes}"
+
+
+def _route(progress, assembler: SampleAssembler):
+    """What `SampleFlow.deltas` and `generate` do to an ordinary mid-stream delta, as one call."""
+    place, push = progress.place, assembler.push
+    return lambda delta: push(place(delta))
 
 
 def _done_in_background(task: asyncio.Task) -> None:

@@ -4,13 +4,17 @@ The subscription's reader puts each delta in (`put`, one append); the request's 
 them out (`deltas`). A reader that fell behind takes everything queued as one merged delta, so
 a slow consumer costs one message downstream, not one per token. Cheaper than an
 `asyncio.Queue`: a deque and one waiter, no locks, no per-item futures.
+
+A `sink` (the request's fast lane, `services/common/fast_lane.py`) is offered a delta instead of
+the queue while the reader is parked on an empty inbox: taken there, it wakes no task at all.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Optional
 
 from proto import common_pb2
@@ -18,9 +22,11 @@ from services.common.deltas import SampleDelta, merge
 from services.common.errors import ErrorCode, ServiceError
 from services.common.messages import delta_from_proto
 
+logger = logging.getLogger(__name__)
+
 
 class RequestInbox:
-    __slots__ = ("subscription", "_queue", "_waiter", "_error", "_timer")
+    __slots__ = ("subscription", "sink", "_queue", "_waiter", "_error", "_timer")
 
     def __init__(self, subscription: object):
         self.subscription = subscription
@@ -29,12 +35,28 @@ class RequestInbox:
         self._waiter: Optional[asyncio.Future] = None
         self._error: Optional[ServiceError] = None
         self._timer: Optional[asyncio.TimerHandle] = None
+        self.sink: Optional[Callable[[common_pb2.SampleDelta], bool]] = None
+        """Offered each delta while the reader waits on an empty inbox; True: taken (not queued)."""
 
     def put(self, msg: common_pb2.SampleDelta) -> None:
-        self._queue.append(msg)
         waiter = self._waiter
         if waiter is not None and not waiter.done():
+            # the reader is parked: nothing of this request is queued or on its way up, so a sink
+            # that takes the delta now keeps the request's order
+            sink = self.sink
+            if sink is not None and self._error is None:
+                try:
+                    if sink(msg):
+                        return
+                except Exception as e:  # a bug: end this request, never the subscription's reader
+                    logger.exception("the fast lane failed")
+                    self.sink = None
+                    self.fail(ServiceError(ErrorCode.INTERNAL, f"internal error: {type(e).__name__}: {e}"))
+                    return
+            self._queue.append(msg)
             waiter.set_result(None)
+        else:
+            self._queue.append(msg)
 
     def fail(self, error: ServiceError) -> None:
         """End the stream with `error` once what is queued has been taken (the first error wins)."""
@@ -71,5 +93,6 @@ class RequestInbox:
                     await self._waiter
                     self._waiter = None
         finally:
+            self.sink = None
             if self._timer is not None:
                 self._timer.cancel()

@@ -73,6 +73,8 @@ class SampleFlow:
         self._handed_out = False
         """The current attempt's KV target has gone to a PE (`_pe`): it may write into the reservation."""
         self._pe: Optional[WorkerHandle] = None
+        self.lane = None
+        """The request's fast lane (`services/common/fast_lane.py`) when this is its one sample."""
         self.prefix: list[int] = []
         """The current attempt's prompt as chunk hashes: which workers hold a prefix of it (prefix-aware
         routing). None for a prompt with images: its KV depends on the images, which equal placeholder
@@ -318,6 +320,7 @@ class SampleFlow:
         """A streaming worker's deltas until the sample finishes; raises StreamBroken when the
         worker fails it (after passing on the tokens it still sent). Leaving early aborts it there."""
         finished = False
+        lane, inbox = self.lane, None
         try:
             async for delta in stream:
                 broken = StreamBroken.from_delta(delta)
@@ -329,6 +332,9 @@ class SampleFlow:
                     raise broken
                 finished = delta.finished
                 yield delta
+                if lane is not None:  # past the first delta: the stream's inbox is open, the client served
+                    inbox = lane.attach(worker.client, sub_id)
+                    lane = None
         except ServiceError as e:
             broken = StreamBroken.from_error(e)
             if broken is None:
@@ -337,6 +343,8 @@ class SampleFlow:
             self.suspects.add(worker.worker_id)
             raise broken from None
         finally:
+            if inbox is not None:
+                self.lane.detach(inbox)
             await stream.aclose()
             if not finished:
                 self.router.abort_later(worker, sub_id, prefill=False)

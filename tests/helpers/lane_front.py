@@ -1,0 +1,136 @@
+"""A head served as in the cluster, for the fast lane's tests: a real worker server (gRPC on
+127.0.0.1, its engine a token source or the embedded model) read through the router's delta
+subscription, the router and the gateway in one process, the HTTP front door on uvicorn (httptools).
+The servers run on an event loop of their own thread; the tests speak raw HTTP/1.1 over sockets,
+so they see the chunked framing byte for byte.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+
+from deepinfer_core.builtin import TINY_MODEL_DIR
+from deepinfer_core.tokenizer import load_tokenizer
+from proto import gateway_pb2_grpc
+from services.common.workers import POOL_COLOCATED
+from services.gateway.core import GatewayConfig, GatewayCore
+from services.gateway.front import GatewayFront
+from services.gateway.router_client import LocalRouterClient
+from services.router.clients import GrpcWorkerClient
+from services.router.config import RouterConfig
+from services.router.core import RouterCore
+from services.router.registry import PoolRegistry
+from services.workers.spec import WorkerSpec
+from services.workers.worker_server import WorkerServer
+
+WAIT_S = 60.0
+"""The bound on every wait of these tests."""
+
+
+class LaneHead:
+    def __init__(self, engine=None, engine_args=None, model_len: int = 8192):
+        """`engine`: a stand-in engine for the worker (None: the embedded model with `engine_args`)."""
+        kw = {"engine_args": engine_args} if engine_args is not None else {}
+        self.worker = WorkerServer(WorkerSpec("lane-w0", POOL_COLOCATED, metrics=False, **kw), engine=engine)
+        self.worker.start(timeout_s=WAIT_S)
+        self.model_len = model_len
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self._thread.start()
+        self.call(self._start())
+        self.port = self.front.http_port
+
+    def call(self, coro, timeout_s: float = WAIT_S):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
+
+    async def _start(self) -> None:
+        registry = PoolRegistry(lambda info: GrpcWorkerClient(info))
+        await registry.add(self.worker.info)
+        self.router = RouterCore(registry, RouterConfig(pools=(POOL_COLOCATED,)), "m")
+        config = GatewayConfig("m", self.model_len)
+        self.core = GatewayCore(config, load_tokenizer(TINY_MODEL_DIR), LocalRouterClient(self.router))
+        self.front = GatewayFront(self.core, gateway_pb2_grpc.ClusterServicer())
+        self.front.bind("127.0.0.1", 0, 0)
+        await self.front.start()
+
+    def idle(self) -> dict:
+        """What is still held for requests: on the worker, in the router, in admission."""
+
+        async def read():
+            worker = next(iter(self.router.registry.workers.values()))
+            return {
+                "router_inflight": worker.inflight,
+                "router_tokens": worker.inflight_tokens,
+                "inboxes": len(worker.client._inboxes),
+                "admitted": self.core.active,
+            }
+
+        return self.call(read())
+
+    def squeeze_connections(self) -> int:
+        """Give every open HTTP connection a small send buffer and write-buffer limit, so that a
+        client that does not read makes the server pause its writes after a few KB; how many."""
+
+        async def squeeze() -> int:
+            connections = self.front.http_server.server_state.connections
+            for protocol in connections:
+                protocol.transport.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+                protocol.transport.set_write_buffer_limits(high=2048)
+            return len(connections)
+
+        return self.call(squeeze())
+
+    def stop(self) -> None:
+        self.call(self.front.stop())
+        self.call(self.router.stop())
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(10)
+        self.worker.stop()
+
+
+def post(port: int, path: str, body: dict, rcvbuf: int = 0) -> socket.socket:
+    """A connection with `body` POSTed; `rcvbuf`: the socket's receive buffer (0: the default)."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    if rcvbuf:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+    sock.settimeout(WAIT_S)
+    sock.connect(("127.0.0.1", port))
+    data = json.dumps(body).encode()
+    head = f"POST {path} HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n"
+    sock.sendall(head.encode() + data)
+    return sock
+
+
+def read_response(sock: socket.socket) -> tuple[bytes, list[bytes]]:
+    """(the response head, each chunk of its chunked body in order), reading to the last chunk."""
+    buf = bytearray()
+    deadline = time.monotonic() + WAIT_S
+
+    def more() -> None:
+        assert time.monotonic() < deadline, "the response did not end in time"
+        data = sock.recv(1 << 16)
+        assert data, "the connection closed before the response ended"
+        buf.extend(data)
+
+    while b"\r\n\r\n" not in buf:
+        more()
+    end = buf.index(b"\r\n\r\n") + 4
+    head, pos, chunks = bytes(buf[:end]), end, []
+    assert b"transfer-encoding: chunked" in head.lower(), head
+    while True:
+        while b"\r\n" not in buf[pos:]:
+            more()
+        line_end = buf.index(b"\r\n", pos)
+        size = int(buf[pos:line_end], 16)
+        while len(buf) < line_end + 2 + size + 2:
+            more()
+        chunk = bytes(buf[line_end + 2 : line_end + 2 + size])
+        assert buf[line_end + 2 + size : line_end + 4 + size] == b"\r\n", "a chunk not framed as uvicorn frames it"
+        pos = line_end + 4 + size
+        if size == 0:
+            return head, chunks
+        chunks.append(chunk)

@@ -70,3 +70,13 @@ class LeaseKeeper:
     def stop(self) -> None:
         """No more beats (a renewal in flight is cancelled: the caller may be cancelled itself)."""
         self._task.cancel()
+
+
+def target_renewer(target) -> Callable[[float], None]:
+    """For a CE reservation: a prefill not sent yet carries the reservation's new end
+    (`target`: its `KVTarget`)."""
+
+    def renewed(expires_at: float) -> None:
+        target.expires_at = expires_at
+
+    return renewed

@@ -28,10 +28,10 @@ from services.common.workers import POOL_COLOCATED, POOL_DECODE, POOL_NAMES, POO
 from services.metrics import definitions as m
 from services.router.decode_policy import blocks_for
 from services.router.encode_step import EncodeStep
-from services.router.lease_keeper import LeaseKeeper
+from services.router.lease_keeper import LeaseKeeper, target_renewer
 from services.router.local_prefill import local_prefill
 from services.router.migration import SampleProgress, StreamBroken
-from services.router.prefill_retry import BLAMES_THE_CE, RETRIED_PREFILL, RetryPrefill
+from services.router.prefill_retry import BLAMES_THE_CE, RETRIED_PREFILL, RetryPrefill, excluded_after
 from services.router.prefix_index import chunk_hashes
 from services.router.registry import WorkerHandle
 
@@ -181,7 +181,7 @@ class SampleFlow:
                 if encoder is not None:
                     encoder.release(images)
                 raise
-            lease = LeaseKeeper(ce, sub_id, self.config.pd.renewed_lease_s, _renewer(kv_target), self._writer)
+            lease = LeaseKeeper(ce, sub_id, self.config.pd.renewed_lease_s, target_renewer(kv_target), self._writer)
             try:
                 try:
                     first = await self._prefill(sub_id, prompt, params, kv_target, tried_pe, images)
@@ -191,14 +191,8 @@ class SampleFlow:
                         encoder.settled()
             except RetryPrefill as retry:
                 last_error = retry.error
-                lost = EMBEDDINGS_UNAVAILABLE in retry.error.message  # the encoder's lease, not the PE, failed
-                lost_embeds += lost
                 self._failed(ce, sub_id, encoder, images)
-                if lost_embeds > 1:  # the read failed after a fresh encode too: say so, never guess
-                    raise ServiceError(ErrorCode.UNAVAILABLE, retry.error.message) from None
-                if not lost:
-                    (suspect_ce if retry.decode_side else tried_pe).add(retry.decode_side or retry.worker_id)
-                m.ROUTER_RETRIES.labels(retry.error.code.name).inc()
+                lost_embeds += excluded_after(retry, lost_embeds, tried_pe, suspect_ce)
                 continue
             except BaseException:
                 self._failed(ce, sub_id, encoder, images)
@@ -393,12 +387,3 @@ class SampleFlow:
         worker.inflight_tokens -= tokens
         worker.inflight_blocks -= blocks_for(tokens, worker.info.block_size)
         self.router.registry.released(worker)
-
-
-def _renewer(target: KVTarget) -> Callable[[float], None]:
-    """A prefill not sent yet carries the reservation's new end."""
-
-    def renewed(expires_at: float) -> None:
-        target.expires_at = expires_at
-
-    return renewed

@@ -125,10 +125,7 @@ class DecodeService(worker_pb2_grpc.DecodeServicer):
 
     @handles_errors
     async def RenewLease(self, request, context):
-        if request.lease_s <= 0:
-            raise ServiceError(ErrorCode.INVALID_ARGUMENT, "lease_s must be > 0", "lease_s")
-        expires_at = await self.core.renew_lease(request.request_id, request.lease_s)
-        return worker_pb2.LeaseRenewalReply(found=expires_at > 0, expires_at=expires_at)
+        return await renew_lease(self.core, request)
 
 
 class EncoderService(worker_pb2_grpc.EncoderServicer):
@@ -148,10 +145,7 @@ class EncoderService(worker_pb2_grpc.EncoderServicer):
 
     @handles_errors
     async def RenewLease(self, request, context):
-        if request.lease_s <= 0:
-            raise ServiceError(ErrorCode.INVALID_ARGUMENT, "lease_s must be > 0", "lease_s")
-        expires_at = await self.core.renew_lease(request.request_id, request.lease_s)
-        return worker_pb2.LeaseRenewalReply(found=expires_at > 0, expires_at=expires_at)
+        return await renew_lease(self.core, request)
 
 
 class WorkerService(worker_pb2_grpc.WorkerServicer):
@@ -167,3 +161,11 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
 
     async def Drain(self, request, context):
         return worker_pb2.DrainReply(requests=self.core.drain())
+
+
+async def renew_lease(core, request) -> worker_pb2.LeaseRenewalReply:
+    """`RenewLease` on a decode engine (a reservation) or a vision encoder (a request's embeddings)."""
+    if request.lease_s <= 0:
+        raise ServiceError(ErrorCode.INVALID_ARGUMENT, "lease_s must be > 0", "lease_s")
+    expires_at = await core.renew_lease(request.request_id, request.lease_s)
+    return worker_pb2.LeaseRenewalReply(found=expires_at > 0, expires_at=expires_at)

@@ -242,11 +242,13 @@ def test_a_request_cancelled_while_it_waits_releases_its_leases_at_once(encoder,
 
 def test_the_leases_of_a_request_whose_pe_died_before_reading_are_released_at_once(encoder):
     """A 30 s lease; the only PE fails the prefill as a dead one does: the leases are gone within a
-    second (while the request waits for another PE, then fails with a clear error)."""
+    second and the request fails with a clear error. One prefill attempt: a second would encode the
+    image afresh, and hold that copy's lease while it waits for another PE, which makes "gone"
+    a race between the first copy's release and the second's encode."""
 
     async def run():
         stages = Stages(stuck="dead")
-        router, ve = await _router(encoder, stages, lease_s=30.0, failed_pool_grace_s=2.0)
+        router, ve = await _router(encoder, stages, lease_s=30.0, failed_pool_grace_s=2.0, max_prefill_attempts=1)
         try:
 
             async def consume():

@@ -83,6 +83,28 @@ class SubmitReply(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class SubmitBatchRequest(_message.Message):
+    __slots__ = ("works",)
+    WORKS_FIELD_NUMBER: _ClassVar[int]
+    works: _containers.RepeatedCompositeFieldContainer[GenerateWork]
+    def __init__(self, works: _Optional[_Iterable[_Union[GenerateWork, _Mapping]]] = ...) -> None: ...
+
+class SubmitBatchReply(_message.Message):
+    __slots__ = ("outcomes",)
+    OUTCOMES_FIELD_NUMBER: _ClassVar[int]
+    outcomes: _containers.RepeatedCompositeFieldContainer[SubmitOutcome]
+    def __init__(self, outcomes: _Optional[_Iterable[_Union[SubmitOutcome, _Mapping]]] = ...) -> None: ...
+
+class SubmitOutcome(_message.Message):
+    __slots__ = ("status", "message", "retry_after_s")
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    RETRY_AFTER_S_FIELD_NUMBER: _ClassVar[int]
+    status: int
+    message: str
+    retry_after_s: float
+    def __init__(self, status: _Optional[int] = ..., message: _Optional[str] = ..., retry_after_s: _Optional[float] = ...) -> None: ...
+
 class SubscribeRequest(_message.Message):
     __slots__ = ("subscriber_id",)
     SUBSCRIBER_ID_FIELD_NUMBER: _ClassVar[int]

@@ -323,6 +323,11 @@ class DecodeStub:
                 request_serializer=proto_dot_worker__pb2.GenerateWork.SerializeToString,
                 response_deserializer=proto_dot_worker__pb2.SubmitReply.FromString,
                 _registered_method=True)
+        self.SubmitBatch = channel.unary_unary(
+                '/deepinfer.v1.Decode/SubmitBatch',
+                request_serializer=proto_dot_worker__pb2.SubmitBatchRequest.SerializeToString,
+                response_deserializer=proto_dot_worker__pb2.SubmitBatchReply.FromString,
+                _registered_method=True)
         self.RenewLease = channel.unary_unary(
                 '/deepinfer.v1.Decode/RenewLease',
                 request_serializer=proto_dot_worker__pb2.LeaseRenewal.SerializeToString,
@@ -379,6 +384,15 @@ class DecodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SubmitBatch(self, request, context):
+        """Submit for several requests in one call: each is admitted or refused on its own, and the
+        reply says which, in order. A router coalesces the requests it starts on one turn of its event
+        loop (a call costs far more than the work it carries).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def RenewLease(self, request, context):
         """A heartbeat for a reservation whose prefill runs: its lease is extended to `lease_s` from now.
         The reply's `expires_at` (0: the reservation is no longer waiting) is what its PE is told.
@@ -419,6 +433,11 @@ def add_DecodeServicer_to_server(servicer, server):
                     servicer.Submit,
                     request_deserializer=proto_dot_worker__pb2.GenerateWork.FromString,
                     response_serializer=proto_dot_worker__pb2.SubmitReply.SerializeToString,
+            ),
+            'SubmitBatch': grpc.unary_unary_rpc_method_handler(
+                    servicer.SubmitBatch,
+                    request_deserializer=proto_dot_worker__pb2.SubmitBatchRequest.FromString,
+                    response_serializer=proto_dot_worker__pb2.SubmitBatchReply.SerializeToString,
             ),
             'RenewLease': grpc.unary_unary_rpc_method_handler(
                     servicer.RenewLease,
@@ -589,6 +608,33 @@ class Decode:
             '/deepinfer.v1.Decode/Submit',
             proto_dot_worker__pb2.GenerateWork.SerializeToString,
             proto_dot_worker__pb2.SubmitReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SubmitBatch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/deepinfer.v1.Decode/SubmitBatch',
+            proto_dot_worker__pb2.SubmitBatchRequest.SerializeToString,
+            proto_dot_worker__pb2.SubmitBatchReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -51,11 +51,25 @@ def error_from_rpc(e: grpc.aio.AioRpcError | grpc.aio.UsageError, what: str) -> 
     """A failed call to another service, as a ServiceError naming `what` was called."""
     if isinstance(e, grpc.aio.UsageError):
         return ServiceError(ErrorCode.UNAVAILABLE, f"{what} is unreachable: its connection is closed ({e})")
-    code = e.code()
-    detail = e.details() or code.name
+    return error_from_status(e.code(), e.details(), what, retry_after_of(e))
+
+
+def error_from_status(
+    code: grpc.StatusCode, details: Optional[str], what: str, retry_after_s: Optional[float] = None
+) -> ServiceError:
+    """A call's failure status (or one work's in a batched call: `SubmitOutcome`) as a ServiceError."""
+    detail = details or code.name
     if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN):
-        return ServiceError(ErrorCode.UNAVAILABLE, f"{what} is unreachable: {detail}", retry_after_s=retry_after_of(e))
-    return ServiceError(code_from_grpc(code), f"{what}: {detail}", retry_after_s=retry_after_of(e))
+        return ServiceError(ErrorCode.UNAVAILABLE, f"{what} is unreachable: {detail}", retry_after_s=retry_after_s)
+    return ServiceError(code_from_grpc(code), f"{what}: {detail}", retry_after_s=retry_after_s)
+
+
+_STATUS_OF_VALUE = {status.value[0]: status for status in grpc.StatusCode}
+
+
+def status_of_value(value: int) -> grpc.StatusCode:
+    """The status whose number is `value` (as a batched call's outcomes carry it); UNKNOWN if none."""
+    return _STATUS_OF_VALUE.get(value, grpc.StatusCode.UNKNOWN)
 
 
 RETRY_AFTER_KEY = "retry-after"
@@ -77,6 +91,13 @@ def _abort_args(e: ServiceError) -> tuple:
         seconds = whole_seconds(e.retry_after_s)
         metadata = ((RETRY_AFTER_KEY, str(seconds)), (PUSHBACK_KEY, str(seconds * 1000)))
     return e.code.grpc_status, e.message, metadata
+
+
+def status_args(e: ServiceError) -> tuple[int, str, float]:
+    """What aborting with `e` would have told the caller, as one outcome of a batched call carries it:
+    (status number, details, retry-after seconds as the status's metadata rounds them; 0: none)."""
+    retry = float(whole_seconds(e.retry_after_s)) if e.retry_after_s is not None else 0.0
+    return e.code.grpc_status.value[0], e.message, retry
 
 
 def whole_seconds(retry_after_s: float) -> int:

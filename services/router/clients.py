@@ -40,6 +40,7 @@ from services.common.params import params_to_proto
 from services.common.prefill_result import PrefillResult
 from services.common.workers import POOL_ENCODER, WorkerInfo, WorkerLoad
 from services.router.inbox import RequestInbox
+from services.router.submit_batch import SubmitBatcher
 from services.router.subscription import DeltaSubscription, new_subscriber_id
 
 logger = logging.getLogger(__name__)
@@ -124,6 +125,8 @@ class GrpcWorkerClient:
         self._decode = auth.stub(worker_pb2_grpc.DecodeStub, self._channel, cluster_token)
         self._worker = auth.stub(worker_pb2_grpc.WorkerStub, self._channel, cluster_token)
         self._encoder = auth.stub(worker_pb2_grpc.EncoderStub, self._channel, cluster_token)
+        self._submits = SubmitBatcher(self._decode.SubmitBatch, self._decode.Submit, self.name)
+        """Submits of one turn of the loop go out as one call."""
         self._inboxes: dict[str, RequestInbox] = {}
         """request id -> inbox of every request of this worker that is read through the subscription."""
         self._subscription: Optional[DeltaSubscription] = None
@@ -186,10 +189,7 @@ class GrpcWorkerClient:
             return
         req.subscriber_id = inbox.subscription.subscriber_id
         try:
-            await self._decode.Submit(req, timeout=max(0.0, deadline - asyncio.get_running_loop().time()))
-        except CALL_ERRORS as e:
-            self._drop(request_id)
-            raise error_from_rpc(e, self.name) from None
+            await self._submits.submit(req, max(0.0, deadline - asyncio.get_running_loop().time()))
         except BaseException:
             self._drop(request_id)
             raise

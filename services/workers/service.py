@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
+import logging
+
+import grpc
+
 from proto import common_pb2, worker_pb2, worker_pb2_grpc
 from services.common.errors import ErrorCode, ServiceError
-from services.common.grpc_util import handles_errors
+from services.common.grpc_util import handles_errors, status_args
 from services.common.messages import (
     batch_to_proto,
     delta_to_proto,
@@ -21,6 +26,11 @@ from services.workers.base_core import WorkerCore
 from services.workers.decode_core import DecodeCore
 from services.workers.encoder_core import EncoderCore
 from services.workers.prefill_core import PrefillCore
+
+logger = logging.getLogger(__name__)
+
+_ADMITTED = worker_pb2.SubmitOutcome()
+"""A batched Submit's outcome for an admitted work (status 0: OK)."""
 
 _SUBSCRIPTION_IDLE_S = 10.0
 """An idle subscription sends an empty batch this often: a connection with no data on it for
@@ -99,14 +109,34 @@ class DecodeService(worker_pb2_grpc.DecodeServicer):
 
     @handles_errors
     async def Submit(self, request, context):
-        await self.core.submit(
-            request.request_id,
-            list(request.prompt_token_ids),
-            _params(request),
-            request.subscriber_id,
-            list(request.images),
-        )
+        await self._admit(request)
         return worker_pb2.SubmitReply()
+
+    async def _admit(self, work) -> None:
+        await self.core.submit(
+            work.request_id, list(work.prompt_token_ids), _params(work), work.subscriber_id, list(work.images)
+        )
+
+    @handles_errors
+    async def SubmitBatch(self, request, context):
+        works = request.works
+        if len(works) == 1:
+            outcomes = [await self._submit_one(works[0])]
+        else:  # concurrently: the engine thread takes every admission waiting for it in one turn
+            outcomes = await asyncio.gather(*(self._submit_one(work) for work in works))
+        return worker_pb2.SubmitBatchReply(outcomes=outcomes)
+
+    async def _submit_one(self, work) -> worker_pb2.SubmitOutcome:
+        """`Submit` for one work of a batch; its failure becomes its outcome, never the call's."""
+        try:
+            await self._admit(work)
+        except ServiceError as e:
+            status, message, retry_after_s = status_args(e)
+            return worker_pb2.SubmitOutcome(status=status, message=message, retry_after_s=retry_after_s)
+        except Exception as e:  # noqa: BLE001 - as a failed unary call would: UNKNOWN, its message
+            logger.exception("Submit of %s failed", work.request_id)
+            return worker_pb2.SubmitOutcome(status=grpc.StatusCode.UNKNOWN.value[0], message=f"{type(e).__name__}: {e}")
+        return _ADMITTED
 
     @handles_errors
     async def Stream(self, request, context):

@@ -102,6 +102,11 @@ WORKER_CALLS = [
         worker_pb2.GenerateWork(request_id="x", prompt_token_ids=[1], params=common_pb2.SamplingParams(max_tokens=2)),
     ),
     (worker_pb2_grpc.DecodeStub, "Subscribe", worker_pb2.SubscribeRequest(subscriber_id="s")),
+    (
+        worker_pb2_grpc.DecodeStub,
+        "SubmitBatch",
+        worker_pb2.SubmitBatchRequest(works=[worker_pb2.GenerateWork(request_id="x", prompt_token_ids=[1])]),
+    ),
 ]
 
 

@@ -4,7 +4,12 @@ Both instruments send the same shape of load — fixed concurrency, random promp
 `--input-len` tokens, `--output-len` output tokens with EOS ignored, streamed `/v1/completions` —
 to one server, one instrument at a time, alternating which goes first each round so that a drift
 of the machine's load weighs on both. Compared: TTFT p50 and output throughput (tokens/s), each
-as deepinfer / guidellm with the 10% band; the last line takes the median of the rounds.
+as deepinfer / guidellm with the 10% band; the last line takes the median of the rounds. Beside
+them, the server's own mean TTFT over each instrument's run (its `/metrics` histogram, arrival at
+the gateway to the first token): a gap that shows there is in the load the two sent, not in how
+they time it. `--request-rate R` sends Poisson arrivals at R requests/s from both instead of a
+fixed concurrency, so that the load does not depend on how soon an instrument follows one
+request's end with the next request.
 
 guidellm lives in its own environment (it pins other versions of torch and transformers), named
 by `--guidellm`: e.g. `python -m venv /tmp/guidellm-venv && /tmp/guidellm-venv/bin/pip install
@@ -23,6 +28,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import urllib.request
 from typing import Optional
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -47,6 +53,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--serve-args", default="--num-blocks 2048 --block-size 16 --max-model-len 1024")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--concurrency", type=int, default=4)
+    p.add_argument(
+        "--request-rate",
+        type=float,
+        default=None,
+        help="requests/s, Poisson arrivals, for both instruments instead of --concurrency: the load then "
+        "does not depend on how soon each instrument sends a slot's next request after the last one ended",
+    )
     p.add_argument("--num-prompts", type=int, default=60)
     p.add_argument("--input-len", type=int, default=64)
     p.add_argument("--output-len", type=int, default=32)
@@ -74,7 +87,11 @@ def _cpus(text: str) -> set[int]:
 def run_deepinfer(args, url: str, out_dir: str, tag: str) -> dict[str, float]:
     name = f"deepinfer-{tag}.json"
     cmd = [sys.executable, "-m", "services.cli.main", "bench", "serve", "--base-url", url, "--model", args.model]
-    cmd += ["--tokenizer", args.tokenizer, "--max-concurrency", str(args.concurrency)]
+    cmd += ["--tokenizer", args.tokenizer]
+    if args.request_rate:
+        cmd += ["--request-rate", str(args.request_rate), "--burstiness", "1.0", "--seed", tag]
+    else:
+        cmd += ["--max-concurrency", str(args.concurrency)]
     cmd += ["--num-prompts", str(args.num_prompts), "--random-input-len", str(args.input_len)]
     cmd += ["--random-output-len", str(args.output_len), "--ignore-eos", "--num-warmups", "2"]
     cmd += ["--result-dir", out_dir, "--result-filename", name]
@@ -94,7 +111,11 @@ def run_guidellm(args, url: str, out_dir: str, tag: str) -> dict[str, float]:
     path = os.path.join(out_dir, f"guidellm-{tag}.json")
     backend = f"kind=openai_http,target={url},model={args.model},request_format=/v1/completions,validate_backend=false"
     data = f"kind=synthetic_text,prompt_tokens={args.input_len},output_tokens={args.output_len}"
-    cmd = [args.guidellm, "run", "--backend", backend, "--profile", f"kind=concurrent,streams={args.concurrency}"]
+    if args.request_rate:
+        profile = f"kind=poisson,rate={args.request_rate}"
+    else:
+        profile = f"kind=concurrent,streams={args.concurrency}"
+    cmd = [args.guidellm, "run", "--backend", backend, "--profile", profile]
     cmd += ["--data", data, "--tokenizer", f"kind=hf_auto,model={args.tokenizer}"]
     cmd += ["--constraint", f"kind=max_requests,count={args.num_prompts}", "--output", f"kind=json,path={path}"]
     cmd += ["--disable-console"]
@@ -111,7 +132,7 @@ def run_guidellm(args, url: str, out_dir: str, tag: str) -> dict[str, float]:
         "output_tok_s": sum(r["output_tokens"] for r in done) / span,
         "prompt_tokens": statistics.mean(r["prompt_tokens"] for r in done),
         "e2el_p50_ms": statistics.median(r["request_latency"] for r in done) * 1e3,
-        "gap_ms": _mean_gap_ms(done, args.concurrency),
+        "gap_ms": None if args.request_rate else _mean_gap_ms(done, args.concurrency),
         "guidellm_summary_tok_s": bench["metrics"]["output_tokens_per_second"]["successful"]["mean"],
         "failed": bench["metrics"]["request_totals"]["errored"],
     }
@@ -125,13 +146,40 @@ def _mean_gap_ms(done: list[dict], concurrency: int) -> float:
     return max(0.0, concurrency * span - busy) / len(done) * 1e3
 
 
+_SERVER_TTFT = "deepinfer:time_to_first_token_seconds"
+
+
+def server_ttft(url: str) -> tuple[float, float]:
+    """(sum in s, count) of the server's own TTFT histogram (arrival at the gateway to the first
+    token), summed over its series: what the server saw, whichever instrument sent the load."""
+    text = urllib.request.urlopen(f"{url}/metrics", timeout=30).read().decode()
+    total = count = 0.0
+    for line in text.splitlines():
+        name, _, value = line.rpartition(" ")
+        if name.startswith(_SERVER_TTFT + "_sum"):
+            total += float(value)
+        elif name.startswith(_SERVER_TTFT + "_count"):
+            count += float(value)
+    return total, count
+
+
+def _measured(run, args, url: str, out_dir: str, tag: str) -> dict[str, float]:
+    """One instrument's run, with the server's mean TTFT over it (the instrument's warm-up included)."""
+    before = server_ttft(url)
+    got = run(args, url, out_dir, tag)
+    after = server_ttft(url)
+    n = after[1] - before[1]
+    got["server_ttft_mean_ms"] = (after[0] - before[0]) / n * 1e3 if n else float("nan")
+    return got
+
+
 def rounds(args, url: str, out_dir: str) -> list[dict]:
     rows = []
     for i in range(args.rounds):
         order = ("deepinfer", "guidellm") if i % 2 == 0 else ("guidellm", "deepinfer")
         got = {}
         for who in order:
-            got[who] = (run_deepinfer if who == "deepinfer" else run_guidellm)(args, url, out_dir, str(i))
+            got[who] = _measured(run_deepinfer if who == "deepinfer" else run_guidellm, args, url, out_dir, str(i))
         rows.append({"round": i + 1, "first": order[0], **got})
         print(f"  round {i + 1}: {_row(rows[-1])}", flush=True)
     return rows
@@ -148,7 +196,8 @@ def _row(r: dict) -> str:
         f"| {r['round']} | {r['first']} | {d['ttft_p50_ms']:.1f} / {g['ttft_p50_ms']:.1f} | {ttft:.2f} | "
         f"{d['output_tok_s']:.1f} / {g['output_tok_s']:.1f} | {tput:.2f} | "
         f"{d['e2el_p50_ms']:.1f} / {g['e2el_p50_ms']:.1f} | {d['e2el_p50_ms'] / g['e2el_p50_ms']:.2f} | "
-        f"{g['gap_ms']:.1f} | {d['prompt_tokens']:.0f} / {g['prompt_tokens']:.0f} | {d['failed']} / {g['failed']} |"
+        f"{d['server_ttft_mean_ms']:.1f} / {g['server_ttft_mean_ms']:.1f} | "
+        f"{'-' if g['gap_ms'] is None else format(g['gap_ms'], '.1f')} | {d['prompt_tokens']:.0f} / {g['prompt_tokens']:.0f} | {d['failed']} / {g['failed']} |"
     )
 
 
@@ -158,6 +207,12 @@ def summary(rows: list[dict]) -> dict[str, float]:
     e2e = statistics.median(r["deepinfer"]["e2el_p50_ms"] / r["guidellm"]["e2el_p50_ms"] for r in rows)
     agree = abs(ttft - 1) <= BAND and abs(tput - 1) <= BAND
     return {"ttft_ratio": ttft, "throughput_ratio": tput, "e2el_ratio": e2e, "agree": agree}
+
+
+def _load(args) -> str:
+    return (
+        f"Poisson arrivals at {args.request_rate:g} req/s" if args.request_rate else f"concurrency {args.concurrency}"
+    )
 
 
 def _show(cpus: Optional[set[int]]) -> str:
@@ -185,15 +240,16 @@ def main(argv=None) -> int:
                 server.stop()
     result = summary(rows)
     print(
-        f"\n`deepinfer bench serve` vs guidellm: concurrency {args.concurrency}, {args.num_prompts} requests of "
+        f"\n`deepinfer bench serve` vs guidellm: {_load(args)}, {args.num_prompts} requests of "
         f"{args.input_len} -> {args.output_len} tokens, {url}; server CPUs {_show(args.server_cpus)}, "
         f"client CPUs {_show(args.client_cpus)}\n"
     )
     print(
         "| round | first | TTFT p50 deepinfer / guidellm (ms) | ratio | output tok/s deepinfer / guidellm | ratio "
-        "| E2E p50 deepinfer / guidellm (ms) | ratio | guidellm's idle per request (ms) | prompt tokens | failed |"
+        "| E2E p50 deepinfer / guidellm (ms) | ratio | server's own TTFT mean under deepinfer / guidellm (ms) "
+        "| guidellm's idle per request (ms) | prompt tokens | failed |"
     )
-    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     print("\n".join(_row(r) for r in rows))
     verdict = "within" if result["agree"] else "NOT within"
     print(

@@ -61,23 +61,19 @@ class SubmitBatcher:
     async def _send(self, batch: list) -> None:
         self.calls += 1
         self.works += len(batch)
-        remaining = max(0.0, max(deadline for _, _, deadline in batch) - asyncio.get_running_loop().time())
         if not self._batched:
-            await asyncio.gather(*(self._one(work, answer, deadline) for work, answer, deadline in batch))
+            await self._singly(batch)
             return
+        remaining = max(0.0, max(deadline for _, _, deadline in batch) - asyncio.get_running_loop().time())
         request = worker_pb2.SubmitBatchRequest(works=[work for work, _, _ in batch])
         try:
             reply = await self._submit_batch(request, timeout=remaining)
         except CALL_ERRORS as e:
             if isinstance(e, grpc.aio.AioRpcError) and e.code() == grpc.StatusCode.UNIMPLEMENTED:
                 self._batched = False  # an older worker
-                self.calls -= 1
-                self.works -= len(batch)
-                await self._send(batch)
-                return
-            error = error_from_rpc(e, self._name)
-            for _, answer, _ in batch:
-                _answer(answer, error)
+                await self._singly(batch)
+            else:
+                _fail(batch, error_from_rpc(e, self._name))
             return
         except BaseException:  # cancelled (the router stops): so are its callers' waits
             for _, answer, _ in batch:
@@ -85,16 +81,14 @@ class SubmitBatcher:
             raise
         outcomes = reply.outcomes
         if len(outcomes) != len(batch):
-            error = error_from_status(
-                grpc.StatusCode.INTERNAL,
-                f"SubmitBatch answered {len(outcomes)} outcomes for {len(batch)} works",
-                self._name,
-            )
-            for _, answer, _ in batch:
-                _answer(answer, error)
+            what = f"SubmitBatch answered {len(outcomes)} outcomes for {len(batch)} works"
+            _fail(batch, error_from_status(grpc.StatusCode.INTERNAL, what, self._name))
             return
         for (_, answer, _), outcome in zip(batch, outcomes):
             _answer(answer, _error_of(outcome, self._name))
+
+    async def _singly(self, batch: list) -> None:
+        await asyncio.gather(*(self._one(work, answer, deadline) for work, answer, deadline in batch))
 
     async def _one(self, work, answer: asyncio.Future, deadline: float) -> None:
         try:
@@ -110,6 +104,11 @@ def _error_of(outcome: worker_pb2.SubmitOutcome, name: str) -> Optional[ServiceE
         return None
     retry_after_s = outcome.retry_after_s if outcome.retry_after_s > 0 else None
     return error_from_status(status_of_value(outcome.status), outcome.message, name, retry_after_s)
+
+
+def _fail(batch: list, error: ServiceError) -> None:
+    for _, answer, _ in batch:
+        _answer(answer, error)
 
 
 def _answer(answer: asyncio.Future, error: Optional[BaseException]) -> None:

@@ -127,7 +127,9 @@ def test_a_prefill_engine_killed_mid_prefill_of_long_prompts_frees_the_reservati
     for t in threads:
         t.join(240)
     codes = [r.status_code if isinstance(r, httpx.Response) else repr(r) for r in results]
-    assert all(c in (200, 503) for c in codes), [r.text if isinstance(r, httpx.Response) else r for r in results]
+    assert all(c in (200, 503) for c in codes), [  # only the others: a long list is cut before them
+        (c, r.text if isinstance(r, httpx.Response) else r) for c, r in zip(codes, results) if c not in (200, 503)
+    ]
     for r in results:
         if r.status_code == 200:
             assert r.json()["usage"]["completion_tokens"] == 4

@@ -14,12 +14,12 @@ test: install
 	OMP_NUM_THREADS=1 $(PYTHON) -m pytest -q tests
 
 lint:
-	$(PYTHON) -m ruff check deepinfer_core kernels services tests benchmarks
-	$(PYTHON) -m ruff format --check deepinfer_core kernels services tests benchmarks
+	$(PYTHON) -m ruff check deepinfer_core deepinfer_kernels services tests benchmarks
+	$(PYTHON) -m ruff format --check deepinfer_core deepinfer_kernels services tests benchmarks
 
 format:
-	$(PYTHON) -m ruff format deepinfer_core kernels services tests benchmarks
-	$(PYTHON) -m ruff check --fix deepinfer_core kernels services tests benchmarks
+	$(PYTHON) -m ruff format deepinfer_core deepinfer_kernels services tests benchmarks
+	$(PYTHON) -m ruff check --fix deepinfer_core deepinfer_kernels services tests benchmarks
 
 # Regenerate the gRPC/protobuf modules in proto/ (tests/services/test_proto.py checks they are current).
 proto:

@@ -36,7 +36,7 @@ from deepinfer_core.distributed.expert_parallel import apply_expert_parallel
 from deepinfer_core.distributed.group import join_instance, leave_instance
 from deepinfer_core.models.deepseek_v3 import deepseek_routing
 from deepinfer_core.models.layers.moe import SparseMoeBlock, building_local_experts
-from kernels.registry import get_backend, set_backend
+from deepinfer_kernels.registry import get_backend, set_backend
 
 DSV3 = dict(hidden=7168, experts=256, top_k=8, n_group=8, topk_group=4, moe_intermediate=2048, shared=2048)
 TINY = dict(hidden=64, experts=16, top_k=4, n_group=8, topk_group=4, moe_intermediate=32, shared=32)

@@ -15,12 +15,12 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels import ops
-from kernels.attention_refs import paged_decode_attention_ref, paged_prefill_attention_ref
-from kernels.fp8 import quantize_block_fp8
-from kernels.fused_moe import fused_experts_ref, moe_align_ref, moe_topk_ref
-from kernels.mla_decode import mla_decode_attention_ref
-from kernels.registry import triton_module
+from deepinfer_kernels import ops
+from deepinfer_kernels.attention_refs import paged_decode_attention_ref, paged_prefill_attention_ref
+from deepinfer_kernels.fp8 import quantize_block_fp8
+from deepinfer_kernels.fused_moe import fused_experts_ref, moe_align_ref, moe_topk_ref
+from deepinfer_kernels.mla_decode import mla_decode_attention_ref
+from deepinfer_kernels.registry import triton_module
 
 
 @dataclass

@@ -18,16 +18,16 @@ from functools import partial
 import torch
 from triton.testing import do_bench, do_bench_cudagraph
 
-from kernels import ops
-from kernels.attention_refs import paged_decode_attention_ref
-from kernels.cache_ops import copy_blocks_ref
-from kernels.fp8 import dequantize_block_fp8, dequantize_gate_up, quantize_block_fp8
-from kernels.fused_moe import fused_moe_ref, moe_topk_ref
-from kernels.mla_decode import mla_decode_attention_ref
-from kernels.paged_attention import reshape_and_cache_static
-from kernels.registry import triton_module
-from kernels.rms_norm import rms_norm_ref
-from kernels.rotary import rotary_ref
+from deepinfer_kernels import ops
+from deepinfer_kernels.attention_refs import paged_decode_attention_ref
+from deepinfer_kernels.cache_ops import copy_blocks_ref
+from deepinfer_kernels.fp8 import dequantize_block_fp8, dequantize_gate_up, quantize_block_fp8
+from deepinfer_kernels.fused_moe import fused_moe_ref, moe_topk_ref
+from deepinfer_kernels.mla_decode import mla_decode_attention_ref
+from deepinfer_kernels.paged_attention import reshape_and_cache_static
+from deepinfer_kernels.registry import triton_module
+from deepinfer_kernels.rms_norm import rms_norm_ref
+from deepinfer_kernels.rotary import rotary_ref
 
 DEV = "cuda"
 BF16 = torch.bfloat16

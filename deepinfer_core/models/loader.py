@@ -43,7 +43,7 @@ from deepinfer_core.models.hf_config import normalize_hf_config
 from deepinfer_core.models.layers.moe import FusedExperts, building_local_experts
 from deepinfer_core.models.quantization import dequantize_fp8_stream, fp8_block_size
 from deepinfer_core.models.registry import get_model_class, get_vision_encoder_class
-from kernels.fp8 import FP8_DTYPE
+from deepinfer_kernels.fp8 import FP8_DTYPE
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"

@@ -3,7 +3,7 @@
 Supported: block-scaled FP8 (`quantization_config = {"quant_method": "fp8", "fmt": "e4m3",
 "activation_scheme": "dynamic", "weight_block_size": [bn, bk]}`), the format of DeepSeek-V3's
 release and of other block-FP8 checkpoints. Each quantized `X.weight` (float8_e4m3fn) comes with
-`X.weight_scale_inv` (one fp32 factor per [bn, bk] block, see `kernels.fp8`).
+`X.weight_scale_inv` (one fp32 factor per [bn, bk] block, see `deepinfer_kernels.fp8`).
 
 Weights a model keeps in FP8 (`model.keeps_fp8(name)`: the routed experts, read as stored by the
 fused MoE kernel) pass through with their factors; every other FP8 weight is dequantized here, in
@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from kernels.fp8 import FP8_DTYPE, dequantize_block_fp8
+from deepinfer_kernels.fp8 import FP8_DTYPE, dequantize_block_fp8
 
 SCALE_SUFFIX = "_scale_inv"
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from deepinfer_core.worker.events import to_device
-from kernels import ops
+from deepinfer_kernels import ops
 
 
 class CacheEngine:

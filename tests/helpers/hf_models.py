@@ -22,7 +22,7 @@ from safetensors.torch import load_file, save_file
 
 from deepinfer_core.config import ModelConfig
 from deepinfer_core.models.hf_config import load_hf_config
-from kernels.fp8 import dequantize_block_fp8, quantize_block_fp8
+from deepinfer_kernels.fp8 import dequantize_block_fp8, quantize_block_fp8
 
 # family -> (config class, model class) names in transformers
 FAMILIES = {

@@ -62,7 +62,7 @@ def _compare(name: str, out: torch.Tensor, ref: torch.Tensor, max_fraction: floa
 
 def run_checks() -> list[dict]:
     from deepinfer_core.models.layers.moe import FusedExperts, RoutingConfig, permute, select_experts, unpermute
-    from kernels import ops
+    from deepinfer_kernels import ops
 
     gen = torch.Generator().manual_seed(0)
 

@@ -17,7 +17,7 @@ from benchmarks.kernel_bench.checks import run_checks  # noqa: E402
 from deepinfer_core import LLM, SamplingParams  # noqa: E402
 from deepinfer_core.builtin import TINY_MODEL_DIR  # noqa: E402
 from deepinfer_core.models.loader import load_model  # noqa: E402
-from kernels import registry  # noqa: E402
+from deepinfer_kernels import registry  # noqa: E402
 from tests.helpers.hf_models import (  # noqa: E402
     hf_logits,
     model_config_for,

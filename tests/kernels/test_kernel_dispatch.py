@@ -11,9 +11,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import ops, registry
-from kernels.fused_moe import fused_experts_ref, moe_align_ref, moe_topk_ref
-from kernels.mla_decode import mla_decode_attention_ref
+from deepinfer_kernels import ops, registry
+from deepinfer_kernels.fused_moe import fused_experts_ref, moe_align_ref, moe_topk_ref
+from deepinfer_kernels.mla_decode import mla_decode_attention_ref
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -21,12 +21,12 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_cpu_tensors_take_the_reference_and_triton_is_not_imported() -> None:
     code = (
         "import sys, torch\n"
-        "from kernels import ops\n"
+        "from deepinfer_kernels import ops\n"
         "x = torch.randn(3, 8); w = torch.ones(8)\n"
         "ops.rms_norm(x, w, 1e-6)\n"
         "ops.rotary(torch.randn(3, 2, 8), torch.randn(3, 4), torch.randn(3, 4))\n"
         "assert 'triton' not in sys.modules, 'triton imported on the CPU path'\n"
-        "assert not any(m.startswith('kernels.triton_impl') for m in sys.modules)\n"
+        "assert not any(m.startswith('deepinfer_kernels.triton_impl') for m in sys.modules)\n"
     )
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=120)
 

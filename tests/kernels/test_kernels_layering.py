@@ -1,4 +1,4 @@
-"""`kernels/` sits at the bottom of the import arrows (services -> core -> kernels): none of its
+"""`deepinfer_kernels/` sits at the bottom of the import arrows (services -> core -> kernels): none of its
 modules may import the engine, the services, the benchmarks or the tests."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-KERNELS = Path(__file__).resolve().parents[2] / "kernels"
+KERNELS = Path(__file__).resolve().parents[2] / "deepinfer_kernels"
 ABOVE = ("deepinfer_core", "services", "benchmarks", "tests")
 
 

@@ -3,8 +3,8 @@ from Python) and must agree with them; the split count they feed."""
 
 import triton
 
-from kernels.triton_impl.common import cdiv, next_pow2
-from kernels.triton_impl.split_kv import choose_num_splits
+from deepinfer_kernels.triton_impl.common import cdiv, next_pow2
+from deepinfer_kernels.triton_impl.split_kv import choose_num_splits
 
 
 def test_cdiv_and_next_pow2_match_triton():

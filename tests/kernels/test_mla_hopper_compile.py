@@ -36,7 +36,7 @@ try:
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    from kernels.triton_impl import mla_decode_wgmma, mla_decode_wgmma_narrow
+    from deepinfer_kernels.triton_impl import mla_decode_wgmma, mla_decode_wgmma_narrow
 except (ImportError, AttributeError) as exc:  # a Triton without Gluon, or an older Gluon
     pytest.skip(f"no Gluon front end for the sm_90 kernel: {exc}", allow_module_level=True)
 

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from kernels.paged_attention import (
+from deepinfer_kernels.paged_attention import (
     paged_attention_ref,
     paged_decode_attention_static,
     reshape_and_cache,

@@ -18,7 +18,7 @@ import transformers
 from safetensors.torch import load_file, save_file
 
 from deepinfer_core.models.loader import load_model
-from kernels.fp8 import FP8_DTYPE
+from deepinfer_kernels.fp8 import FP8_DTYPE
 from tests.helpers.hf_models import hf_logits, model_config_for, quantize_checkpoint_fp8, save_hf_checkpoint
 from tests.helpers.paged import PagedRunner
 

@@ -18,8 +18,8 @@ from deepinfer_core.models.layers.attention import AttentionMetadata
 from deepinfer_core.models.layers.mla import MLAAttention, deinterleave, set_mla_path
 from deepinfer_core.models.loader import load_model
 from deepinfer_core.worker.cache_engine import CacheEngine
-from kernels.mla_attention import mla_attention_absorbed, mla_attention_naive, write_latent_cache
-from kernels.mla_decode import mla_decode_attention_ref
+from deepinfer_kernels.mla_attention import mla_attention_absorbed, mla_attention_naive, write_latent_cache
+from deepinfer_kernels.mla_decode import mla_decode_attention_ref
 from tests.helpers.hf_models import TINY_MLA, model_config_for, save_hf_checkpoint
 from tests.helpers.numerics import random_prompt
 from tests.helpers.paged import PagedRunner, build_attention_metadata

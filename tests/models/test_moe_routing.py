@@ -24,7 +24,7 @@ from deepinfer_core.models.layers.moe import (
     unpermute,
 )
 from deepinfer_core.models.qwen3_moe import moe_routing
-from kernels import ops
+from deepinfer_kernels import ops
 
 E, T = 16, 64
 
@@ -213,7 +213,7 @@ def test_shared_experts_are_added_to_routed_output() -> None:
 
 
 def test_fused_moe_kernel_contract_matches_the_layer() -> None:
-    """On CUDA the layer hands its stacked weights and routing to `kernels.ops.fused_experts`;
+    """On CUDA the layer hands its stacked weights and routing to `deepinfer_kernels.ops.fused_experts`;
     that op's reference must compute what the layer's own path computes."""
     routing = RoutingConfig(num_experts=8, top_k=2, scoring_func="sigmoid", topk_method="noaux_tc", norm_topk_prob=True)
     block = SparseMoeBlock(routing, 12, 20, torch.float32)

@@ -2,7 +2,7 @@
 
 Models stay pure: they pass `AttentionMetadata` through `forward`; no module globals.
 The kernel backend is chosen here: the torch references on CPU, the Triton kernels of
-`kernels.ops` on CUDA (`kernels.registry` decides; `DEEPINFER_KERNEL_BACKEND=torch` forces
+`deepinfer_kernels.ops` on CUDA (`deepinfer_kernels.registry` decides; `DEEPINFER_KERNEL_BACKEND=torch` forces
 the references). Both Triton paths are free of host syncs, so decode can be graph-captured.
 """
 
@@ -13,14 +13,14 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from kernels import ops
-from kernels.paged_attention import (
+from deepinfer_kernels import ops
+from deepinfer_kernels.paged_attention import (
     paged_attention_ref,
     paged_decode_attention_static,
     reshape_and_cache,
     reshape_and_cache_static,
 )
-from kernels.registry import use_triton
+from deepinfer_kernels.registry import use_triton
 
 
 @dataclass

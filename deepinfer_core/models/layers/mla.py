@@ -1,6 +1,6 @@
 """Multi-head latent attention (DeepSeek-V2/V3) over the compressed latent cache.
 
-Per token the cache keeps `kv_lora_rank + qk_rope_head_dim` values (see `kernels.mla_attention`),
+Per token the cache keeps `kv_lora_rank + qk_rope_head_dim` values (see `deepinfer_kernels.mla_attention`),
 instead of 2 * heads * head_dim for ordinary attention. Parameter names are HF's:
 
     q:   q_proj                                   (no q_lora_rank, e.g. V2-Lite)
@@ -10,7 +10,7 @@ instead of 2 * heads * head_dim for ordinary attention. Parameter names are HF's
 
 Prefill and mixed steps expand the latents (naive path); decode-only steps fold kv_b_proj into
 the query and output (absorbed path) and read nothing but the latent cache; on CUDA that decode
-runs `kernels.ops.mla_decode_attention` (Triton). `path` pins one path for every step ("naive" /
+runs `deepinfer_kernels.ops.mla_decode_attention` (Triton). `path` pins one path for every step ("naive" /
 "absorbed"); "auto" is the engine's choice.
 """
 
@@ -24,10 +24,10 @@ from torch import nn
 from deepinfer_core.models.layers.attention import AttentionMetadata
 from deepinfer_core.models.layers.norm import RMSNorm
 from deepinfer_core.models.layers.rotary import apply_rotary
-from kernels import ops
-from kernels.mla_attention import mla_attention_absorbed, mla_attention_naive, write_latent_cache
-from kernels.mla_decode import mla_decode_attention_ref
-from kernels.registry import use_triton
+from deepinfer_kernels import ops
+from deepinfer_kernels.mla_attention import mla_attention_absorbed, mla_attention_naive, write_latent_cache
+from deepinfer_kernels.mla_decode import mla_decode_attention_ref
+from deepinfer_kernels.registry import use_triton
 
 MLA_PATHS = ("auto", "naive", "absorbed")
 

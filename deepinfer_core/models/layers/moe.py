@@ -12,10 +12,10 @@ One MoE step, written so that expert parallelism only has to add the all-to-all:
 
 `FusedExperts` holds the local experts' weights stacked as `w13_weight [E_local, 2I, H]`
 (gate rows then up rows) and `w2_weight [E_local, H, I]`, the layout a grouped GEMM takes
-(from an FP8 checkpoint: e4m3 values plus `*_weight_scale_inv` block factors, see `kernels.fp8`);
+(from an FP8 checkpoint: e4m3 values plus `*_weight_scale_inv` block factors, see `deepinfer_kernels.fp8`);
 checkpoint tensors `experts.{e}.{gate,up,down}_proj.weight` (Mixtral: w1, w3, w2) are copied
 into their slices by `load_expert`. With every expert local (no EP) `local_experts` is all of
-them. This is the torch reference; on CUDA, with every expert local, `kernels.ops.fused_experts`
+them. This is the torch reference; on CUDA, with every expert local, `deepinfer_kernels.ops.fused_experts`
 (the Triton fused-MoE kernel, same weight layout) runs the experts instead.
 """
 
@@ -31,9 +31,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from deepinfer_core.models.layers.mlp import SwiGLUMLP
-from kernels import ops
-from kernels.fp8 import FP8_DTYPE, dequantize_block_fp8, dequantize_gate_up
-from kernels.registry import use_triton
+from deepinfer_kernels import ops
+from deepinfer_kernels.fp8 import FP8_DTYPE, dequantize_block_fp8, dequantize_gate_up
+from deepinfer_kernels.registry import use_triton
 
 SCORING_FUNCS = ("softmax", "sigmoid")
 TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
@@ -261,7 +261,7 @@ class FusedExperts(nn.Module):
             self.w2_weight_scale_inv = nn.Parameter(torch.empty(n, h_n, i_k), requires_grad=False)
 
     def fp8_kwargs(self) -> dict:
-        """What `kernels.ops.fused_experts` needs besides the weights: the FP8 factors, or nothing."""
+        """What `deepinfer_kernels.ops.fused_experts` needs besides the weights: the FP8 factors, or nothing."""
         if not self.fp8_block:
             return {}
         return dict(w13_scale=self.w13_weight_scale_inv, w2_scale=self.w2_weight_scale_inv, fp8_block=self.fp8_block)

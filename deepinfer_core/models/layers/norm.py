@@ -2,7 +2,7 @@
 
 The optional residual argument fuses the decoder's "add the residual, then normalise" into one
 call: the sum is the new residual stream. The add runs in the activation dtype, as HF's does.
-On CUDA the fused Triton kernel (`kernels.ops.rms_norm`) runs instead, with the same roundings.
+On CUDA the fused Triton kernel (`deepinfer_kernels.ops.rms_norm`) runs instead, with the same roundings.
 """
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kernels import ops
-from kernels.registry import use_triton
+from deepinfer_kernels import ops
+from deepinfer_kernels.registry import use_triton
 
 
 class RMSNorm(nn.Module):

@@ -20,8 +20,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from kernels import ops
-from kernels.registry import use_triton
+from deepinfer_kernels import ops
+from deepinfer_kernels.registry import use_triton
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
 _DEFAULT_THETA = 10000.0
@@ -177,7 +177,7 @@ def rope_cos_sin_table(
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Neox-style rotation of x [T, H, D] by cos/sin [T, D/2] (rotate_half on the two halves).
 
-    On CUDA the Triton kernel (`kernels.ops.rotary`) runs instead, with the same roundings."""
+    On CUDA the Triton kernel (`deepinfer_kernels.ops.rotary`) runs instead, with the same roundings."""
     if use_triton(x):
         return ops.rotary(x, cos, sin)
     cos = cos.to(x.dtype)[:, None, :]  # [T, 1, D/2]

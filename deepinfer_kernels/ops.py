@@ -1,4 +1,4 @@
-"""The public ops: each runs its Triton kernel or its pure-torch reference (`kernels.registry`).
+"""The public ops: each runs its Triton kernel or its pure-torch reference (`deepinfer_kernels.registry`).
 
 Every op has the signature of its reference plus `backend` ("auto" | "torch" | "triton",
 default: the registry's). The Triton paths never synchronise with the host and launch grids
@@ -20,14 +20,14 @@ from __future__ import annotations
 
 import torch
 
-from kernels import fused_moe as moe_refs
-from kernels.attention_refs import paged_decode_attention_ref, paged_prefill_attention_ref
-from kernels.cache_ops import copy_blocks_ref
-from kernels.mla_decode import mla_decode_attention_ref
-from kernels.paged_attention import reshape_and_cache as reshape_and_cache_ref
-from kernels.registry import triton_module, use_triton
-from kernels.rms_norm import rms_norm_ref
-from kernels.rotary import rotary_ref
+from deepinfer_kernels import fused_moe as moe_refs
+from deepinfer_kernels.attention_refs import paged_decode_attention_ref, paged_prefill_attention_ref
+from deepinfer_kernels.cache_ops import copy_blocks_ref
+from deepinfer_kernels.mla_decode import mla_decode_attention_ref
+from deepinfer_kernels.paged_attention import reshape_and_cache as reshape_and_cache_ref
+from deepinfer_kernels.registry import triton_module, use_triton
+from deepinfer_kernels.rms_norm import rms_norm_ref
+from deepinfer_kernels.rotary import rotary_ref
 
 
 def rms_norm(x, weight, eps, residual=None, *, backend=None):
@@ -101,7 +101,7 @@ def moe_align(topk_ids, num_experts, block_m, *, backend=None):
 
 def fused_experts(hidden, w13, w2, topk_weights, topk_ids, *, backend=None, **fp8) -> torch.Tensor:
     """sum_k w[t,k] * down_e(silu(gate_e(x)) * up_e(x)), e = ids[t,k]. hidden [T, H] -> [T, H].
-    FP8 expert weights: `w13_scale=`, `w2_scale=`, `fp8_block=` (see `kernels.fp8`)."""
+    FP8 expert weights: `w13_scale=`, `w2_scale=`, `fp8_block=` (see `deepinfer_kernels.fp8`)."""
     if use_triton(hidden, backend):
         return triton_module("fused_moe").fused_experts(hidden, w13, w2, topk_weights, topk_ids, **fp8)
     return moe_refs.fused_experts_ref(hidden, w13, w2, topk_weights, topk_ids, **fp8)

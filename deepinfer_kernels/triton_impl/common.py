@@ -8,7 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.registry import interpreting
+from deepinfer_kernels.registry import interpreting
 
 
 # Host-side integer helpers in plain Python: Triton's `cdiv` and `next_power_of_2` are constexpr

@@ -79,8 +79,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from kernels.triton_impl.common import cdiv
-from kernels.triton_impl.mla_sm90_common import (
+from deepinfer_kernels.triton_impl.common import cdiv
+from deepinfer_kernels.triton_impl.mla_sm90_common import (
     PUBLIC_REINTERPRET,
     _async_load,
     _tma_load,

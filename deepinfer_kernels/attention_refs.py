@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.paged_attention import paged_attention_ref, paged_decode_attention_static
+from deepinfer_kernels.paged_attention import paged_attention_ref, paged_decode_attention_static
 
 
 def paged_prefill_attention_ref(

@@ -13,8 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_impl.common import dot, ieee, next_pow2, sm_count, small_tiles
-from kernels.triton_impl.split_kv import choose_num_splits, merge_splits
+from deepinfer_kernels.triton_impl.common import dot, ieee, next_pow2, sm_count, small_tiles
+from deepinfer_kernels.triton_impl.split_kv import choose_num_splits, merge_splits
 
 LOG2E = 1.4426950408889634
 

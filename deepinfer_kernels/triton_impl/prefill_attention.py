@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_impl.common import cdiv, dot, ieee, next_pow2, small_tiles
+from deepinfer_kernels.triton_impl.common import cdiv, dot, ieee, next_pow2, small_tiles
 
 LOG2E = 1.4426950408889634
 

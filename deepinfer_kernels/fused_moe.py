@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.fp8 import dequantize_block_fp8, dequantize_gate_up
+from deepinfer_kernels.fp8 import dequantize_block_fp8, dequantize_gate_up
 
 
 def moe_topk_ref(
@@ -99,7 +99,7 @@ def fused_experts_ref(
     topk_weights: torch.Tensor,  # [T, k]
     topk_ids: torch.Tensor,  # [T, k] int
     *,
-    w13_scale: torch.Tensor | None = None,  # FP8 weights: block factors (kernels.fp8)
+    w13_scale: torch.Tensor | None = None,  # FP8 weights: block factors (deepinfer_kernels.fp8)
     w2_scale: torch.Tensor | None = None,
     fp8_block: tuple[int, int] = (128, 128),
 ) -> torch.Tensor:  # [T, H]

@@ -20,8 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_impl.common import cdiv, dot, ieee, next_pow2, sm_count, small_tiles
-from kernels.triton_impl.split_kv import choose_num_splits, merge_splits
+from deepinfer_kernels.triton_impl.common import cdiv, dot, ieee, next_pow2, sm_count, small_tiles
+from deepinfer_kernels.triton_impl.split_kv import choose_num_splits, merge_splits
 
 LOG2E = 1.4426950408889634
 
@@ -249,7 +249,7 @@ def _hopper_kernel(q_nope, q_pe, latent_cache, choice: str = "auto"):
     if not q_nope.is_cuda or choice == "tl":
         return None
     try:
-        from kernels.triton_impl import mla_decode_wgmma, mla_decode_wgmma_narrow
+        from deepinfer_kernels.triton_impl import mla_decode_wgmma, mla_decode_wgmma_narrow
     except (ImportError, AttributeError):
         return None
     heads = q_nope.shape[1]

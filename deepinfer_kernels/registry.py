@@ -1,6 +1,6 @@
 """Which implementation of an op runs: the Triton kernel or the pure-torch reference.
 
-Every public op in this package (`kernels.ops`) asks `use_triton(tensor)`:
+Every public op in this package (`deepinfer_kernels.ops`) asks `use_triton(tensor)`:
 
 - `backend="auto"` (the default): CUDA tensors run the Triton kernel, anything else the reference;
 - `backend="torch"`: always the reference (a numerics baseline, or a GPU without Triton);
@@ -9,7 +9,7 @@ Every public op in this package (`kernels.ops`) asks `use_triton(tensor)`:
 
 The backend comes from `set_backend()` or, at import, from the one variable this package reads,
 `DEEPINFER_KERNEL_BACKEND` (the kernels layer imports nothing from the engine, so it cannot take
-its config). Triton itself is imported only when a kernel first runs: importing `kernels` on a
+its config). Triton itself is imported only when a kernel first runs: importing `deepinfer_kernels` on a
 machine without triton costs nothing.
 """
 
@@ -66,5 +66,5 @@ def use_triton(t: torch.Tensor, backend: str | None = None) -> bool:
 
 
 def triton_module(name: str) -> ModuleType:
-    """The Triton implementation module `kernels.triton_impl.<name>`, imported on first use."""
-    return importlib.import_module(f"kernels.triton_impl.{name}")
+    """The Triton implementation module `deepinfer_kernels.triton_impl.<name>`, imported on first use."""
+    return importlib.import_module(f"deepinfer_kernels.triton_impl.{name}")

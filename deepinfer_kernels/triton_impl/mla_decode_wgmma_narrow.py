@@ -32,7 +32,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
-from kernels.triton_impl.mla_sm90_common import (
+from deepinfer_kernels.triton_impl.mla_sm90_common import (
     _async_load,
     _cta_barrier,
     _gather_tile,

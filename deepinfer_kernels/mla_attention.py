@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.mla_decode import mla_decode_attention_ref
+from deepinfer_kernels.mla_decode import mla_decode_attention_ref
 
 
 def write_latent_cache(

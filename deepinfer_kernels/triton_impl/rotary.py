@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_impl.common import cdiv, next_pow2
+from deepinfer_kernels.triton_impl.common import cdiv, next_pow2
 
 
 @triton.jit

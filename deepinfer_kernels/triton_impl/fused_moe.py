@@ -38,8 +38,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_impl.common import cdiv, dot, ieee, next_pow2, small_tiles
-from kernels.triton_impl.moe_routing import moe_align
+from deepinfer_kernels.triton_impl.common import cdiv, dot, ieee, next_pow2, small_tiles
+from deepinfer_kernels.triton_impl.moe_routing import moe_align
 
 
 @triton.jit

@@ -7,9 +7,11 @@ of the machine's load weighs on both. Compared: TTFT p50 and output throughput (
 as deepinfer / guidellm with the 10% band; the last line takes the median of the rounds. Beside
 them, the server's own mean TTFT over each instrument's run (its `/metrics` histogram, arrival at
 the gateway to the first token): a gap that shows there is in the load the two sent, not in how
-they time it. `--request-rate R` sends Poisson arrivals at R requests/s from both instead of a
-fixed concurrency, so that the load does not depend on how soon an instrument follows one
-request's end with the next request.
+they time it. `--request-rate R` sends R requests/s from both instead of a fixed concurrency, so
+that the load does not depend on how soon an instrument follows one request's end with the next
+request: `--arrivals constant` (default) evenly spaced, `poisson` as Poisson arrivals. guidellm
+0.8.1's Poisson profile sends faster than its rate (its worker processes each draw the same
+gaps: 12.3 requests/s asked for 8 here), so only the constant one offers both the same load.
 
 guidellm lives in its own environment (it pins other versions of torch and transformers), named
 by `--guidellm`: e.g. `python -m venv /tmp/guidellm-venv && /tmp/guidellm-venv/bin/pip install
@@ -60,6 +62,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="requests/s, Poisson arrivals, for both instruments instead of --concurrency: the load then "
         "does not depend on how soon each instrument sends a slot's next request after the last one ended",
     )
+    p.add_argument(
+        "--arrivals",
+        choices=("constant", "poisson"),
+        default="constant",
+        help="with --request-rate: evenly spaced arrivals (guidellm's `constant`, our --burstiness inf) or Poisson",
+    )
     p.add_argument("--num-prompts", type=int, default=60)
     p.add_argument("--input-len", type=int, default=64)
     p.add_argument("--output-len", type=int, default=32)
@@ -89,7 +97,8 @@ def run_deepinfer(args, url: str, out_dir: str, tag: str) -> dict[str, float]:
     cmd = [sys.executable, "-m", "services.cli.main", "bench", "serve", "--base-url", url, "--model", args.model]
     cmd += ["--tokenizer", args.tokenizer]
     if args.request_rate:
-        cmd += ["--request-rate", str(args.request_rate), "--burstiness", "1.0", "--seed", tag]
+        burstiness = "inf" if args.arrivals == "constant" else "1.0"
+        cmd += ["--request-rate", str(args.request_rate), "--burstiness", burstiness, "--seed", tag]
     else:
         cmd += ["--max-concurrency", str(args.concurrency)]
     cmd += ["--num-prompts", str(args.num_prompts), "--random-input-len", str(args.input_len)]
@@ -112,7 +121,7 @@ def run_guidellm(args, url: str, out_dir: str, tag: str) -> dict[str, float]:
     backend = f"kind=openai_http,target={url},model={args.model},request_format=/v1/completions,validate_backend=false"
     data = f"kind=synthetic_text,prompt_tokens={args.input_len},output_tokens={args.output_len}"
     if args.request_rate:
-        profile = f"kind=poisson,rate={args.request_rate}"
+        profile = f"kind={args.arrivals},rate={args.request_rate}"
     else:
         profile = f"kind=concurrent,streams={args.concurrency}"
     cmd = [args.guidellm, "run", "--backend", backend, "--profile", profile]
@@ -211,7 +220,7 @@ def summary(rows: list[dict]) -> dict[str, float]:
 
 def _load(args) -> str:
     return (
-        f"Poisson arrivals at {args.request_rate:g} req/s" if args.request_rate else f"concurrency {args.concurrency}"
+        f"{args.arrivals} arrivals at {args.request_rate:g} req/s" if args.request_rate else f"concurrency {args.concurrency}"
     )
 
 

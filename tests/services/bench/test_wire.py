@@ -67,7 +67,7 @@ def test_output_tokens_come_from_usage_when_the_stream_gives_it(send_usage):
     assert r.generated_text == " t0 t1 t2 t3 t4 t5"
 
 
-def test_arrivals_poisson_gamma_and_all_at_once():
+def test_arrivals_poisson_gamma_constant_and_all_at_once():
     assert arrival_offsets(4, float("inf"), 1.0, seed=0) == [0.0] * 4
     poisson = np.diff(arrival_offsets(20001, 10.0, 1.0, seed=0))
     bursty = np.diff(arrival_offsets(20001, 10.0, 0.25, seed=0))
@@ -76,6 +76,7 @@ def test_arrivals_poisson_gamma_and_all_at_once():
     assert poisson.std() / poisson.mean() == pytest.approx(1.0, rel=0.05)
     assert bursty.std() / bursty.mean() == pytest.approx(2.0, rel=0.08)
     assert arrival_offsets(3, 2.0, 1.0, seed=5) == arrival_offsets(3, 2.0, 1.0, seed=5)
+    assert arrival_offsets(4, 8.0, float("inf"), seed=0) == [0.0, 0.125, 0.25, 0.375]  # a constant rate
     for rate, burstiness in ((0.0, 1.0), (1.0, 0.0)):
         with pytest.raises(ValueError):
             arrival_offsets(3, rate, burstiness, seed=0)

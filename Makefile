@@ -21,10 +21,10 @@ format:
 	$(PYTHON) -m ruff format deepinfer_core deepinfer_kernels services tests benchmarks
 	$(PYTHON) -m ruff check --fix deepinfer_core deepinfer_kernels services tests benchmarks
 
-# Regenerate the gRPC/protobuf modules in proto/ (tests/services/test_proto.py checks they are current).
+# Regenerate the gRPC/protobuf modules in deepinfer_proto/ (tests/services/test_proto.py checks they are current).
 proto:
-	$(PYTHON) -m grpc_tools.protoc -I . --python_out=. --grpc_python_out=. --pyi_out=. proto/*.proto
-	rm -f proto/common_pb2_grpc.py proto/*_pb2_grpc.pyi
+	$(PYTHON) -m grpc_tools.protoc -I . --python_out=. --grpc_python_out=. --pyi_out=. deepinfer_proto/*.proto
+	rm -f deepinfer_proto/common_pb2_grpc.py deepinfer_proto/*_pb2_grpc.pyi
 
 bench: install
 	$(PYTHON) benchmarks/offline_throughput.py

@@ -220,7 +220,9 @@ def summary(rows: list[dict]) -> dict[str, float]:
 
 def _load(args) -> str:
     return (
-        f"{args.arrivals} arrivals at {args.request_rate:g} req/s" if args.request_rate else f"concurrency {args.concurrency}"
+        f"{args.arrivals} arrivals at {args.request_rate:g} req/s"
+        if args.request_rate
+        else f"concurrency {args.concurrency}"
     )
 
 

@@ -128,7 +128,7 @@ class Bench:
         return sum(await asyncio.gather(*(_drain(r) for r in readers)))
 
     async def _grpc(self, rid: str, prompt: list[int], shape: Shape, tokens: int) -> int:
-        from proto import gateway_pb2
+        from deepinfer_proto import gateway_pb2
 
         request = gateway_pb2.GenerateRequest(model="bench", request_id=rid, token_ids=gateway_pb2.TokenIds(ids=prompt))
         request.params.max_tokens = tokens

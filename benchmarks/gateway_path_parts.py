@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 from typing import Optional
 
-from proto import common_pb2
+from deepinfer_proto import common_pb2
 from services.common.deltas import SampleDelta, TokenLogprob
 from services.common.messages import fill_delta
 from services.common.workers import POOL_COLOCATED, WorkerInfo, WorkerLoad

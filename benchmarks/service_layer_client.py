@@ -104,7 +104,7 @@ class Load:
         await conn.stream_events("/v1/completions", body, on_event)
 
     async def grpc_request(self, record: RequestRecord, request_id: str) -> None:
-        from proto import common_pb2, gateway_pb2
+        from deepinfer_proto import common_pb2, gateway_pb2
 
         record.request_id = request_id
         request = gateway_pb2.GenerateRequest(
@@ -139,7 +139,7 @@ async def main_async(args: argparse.Namespace) -> None:
     load = Load(args)
     channel = None
     if args.protocol == "grpc":
-        from proto import gateway_pb2_grpc
+        from deepinfer_proto import gateway_pb2_grpc
         from services.common.grpc_util import channel as grpc_channel
 
         channel = grpc_channel(args.target)

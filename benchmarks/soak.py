@@ -79,7 +79,7 @@ def processes(grpc_address: str, head_pid: int) -> dict[str, int]:
     """name -> pid of the head and of every engine the cluster lists."""
     import grpc
 
-    from proto import common_pb2, gateway_pb2_grpc
+    from deepinfer_proto import common_pb2, gateway_pb2_grpc
 
     with grpc.insecure_channel(grpc_address) as ch:
         status = gateway_pb2_grpc.ClusterStub(ch).Status(common_pb2.StatusRequest(), timeout=10)

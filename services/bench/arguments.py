@@ -39,7 +39,9 @@ def add_load_flags(p: argparse.ArgumentParser, rate_flag: bool = True) -> None:
     g = p.add_argument_group("load")
     if rate_flag:
         g.add_argument("--request-rate", type=float, default=math.inf, help="requests/s (default: inf, all at once)")
-    g.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of arrival gaps: 1 = Poisson, inf = a constant rate")
+    g.add_argument(
+        "--burstiness", type=float, default=1.0, help="gamma shape of arrival gaps: 1 = Poisson, inf = a constant rate"
+    )
     g.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight at once")
     g.add_argument("--num-warmups", type=int, default=0, help="requests sent before the measured run")
     g.add_argument("--seed", type=int, default=0)

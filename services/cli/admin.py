@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from proto import common_pb2
+from deepinfer_proto import common_pb2
 from services.cli import status_lines
 
 POOL_LABELS = {1: "encoder", 2: "prefill", 3: "decode", 4: "colocated"}
@@ -60,7 +60,7 @@ def _ep_columns(load) -> str:
 def call(args, method: str, request):
     import grpc
 
-    from proto import gateway_pb2_grpc
+    from deepinfer_proto import gateway_pb2_grpc
 
     with _channel(args) as channel:
         stub = gateway_pb2_grpc.ClusterStub(channel)

@@ -18,7 +18,7 @@ def add_parser(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from proto import gateway_pb2
+    from deepinfer_proto import gateway_pb2
 
     names = ("prefill", "decode", "colocated", "encoder")
     wanted = {k: getattr(args, k) for k in names if getattr(args, k) is not None}

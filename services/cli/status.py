@@ -14,7 +14,7 @@ def add_parser(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from proto import common_pb2
+    from deepinfer_proto import common_pb2
 
     print(admin.format_status(admin.call(args, "Status", common_pb2.StatusRequest())))
     return 0

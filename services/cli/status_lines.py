@@ -4,7 +4,7 @@ cache, then each KV store tier), its local prefills, and how the router scores p
 
 from __future__ import annotations
 
-from proto import common_pb2
+from deepinfer_proto import common_pb2
 
 PREFILL_SCORE = (
     "  prefill choice: the lowest score = queued prompt tokens + this prompt's tokens the engine does not "

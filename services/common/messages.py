@@ -8,7 +8,7 @@ from typing import Optional
 
 from deepinfer_core.multimodal.embedding_handle import EmbeddingHandle
 from deepinfer_core.transfer.messages import KVRegion, KVTarget
-from proto import common_pb2, worker_pb2
+from deepinfer_proto import common_pb2, worker_pb2
 from services.common.deltas import SampleDelta, TokenLogprob
 from services.common.prefill_result import PrefillResult
 from services.common.workers import WorkerInfo, WorkerLoad

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import fields
 
 from deepinfer_core.sampling_params import SamplingParams
-from proto import common_pb2
+from deepinfer_proto import common_pb2
 
 _SCALARS = [
     "n",

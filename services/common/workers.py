@@ -1,7 +1,7 @@
 """Who a worker is (`WorkerInfo`) and how loaded it is (`WorkerLoad`): the registry's vocabulary.
 
 Field for field the proto messages `deepinfer.v1.WorkerInfo` / `WorkerLoad` (see
-`proto/common.proto` for the meaning of each); `messages.py` converts.
+`deepinfer_proto/common.proto` for the meaning of each); `messages.py` converts.
 """
 
 from __future__ import annotations

@@ -143,7 +143,7 @@ class Head:
         return {"runtime_env": {"env_vars": env}} if env else {}
 
     async def _start_router(self) -> None:
-        from proto import gateway_pb2_grpc, router_pb2_grpc
+        from deepinfer_proto import gateway_pb2_grpc, router_pb2_grpc
         from services.controller.service import ClusterService
         from services.router.clients import GrpcWorkerClient
         from services.router.core import RouterCore

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from proto import gateway_pb2_grpc
+from deepinfer_proto import gateway_pb2_grpc
 from services.common.errors import ErrorCode, ServiceError
 from services.common.grpc_util import handles_errors
 from services.common.workers import POOL_COLOCATED, POOL_DECODE, POOL_ENCODER, POOL_PREFILL

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import grpc
 
-from proto import gateway_pb2_grpc
+from deepinfer_proto import gateway_pb2_grpc
 from services.common import auth
 from services.common.grpc_util import channel
 

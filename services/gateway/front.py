@@ -29,7 +29,7 @@ class GatewayFront:
         or a proxy to it); `metrics_registry`: what /metrics serves (None: this process's);
         `process`: this API process's index, in the `x-deepinfer-process` header of every response;
         `tls`: the certificate both ports serve with (none: plain HTTP, insecure gRPC)."""
-        from proto import gateway_pb2_grpc
+        from deepinfer_proto import gateway_pb2_grpc
         from services.gateway.grpc_service import GatewayService
         from services.gateway.http_app import build_app
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import base64
 import uuid
 
-from proto import gateway_pb2, gateway_pb2_grpc
+from deepinfer_proto import gateway_pb2, gateway_pb2_grpc
 from services.common.errors import ErrorCode, ServiceError
 from services.common.grpc_util import handles_errors
 from services.common.messages import fill_delta

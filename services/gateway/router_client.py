@@ -8,7 +8,7 @@ from typing import Protocol
 import grpc
 
 from deepinfer_core.sampling_params import SamplingParams
-from proto import common_pb2, router_pb2, router_pb2_grpc
+from deepinfer_proto import common_pb2, router_pb2, router_pb2_grpc
 from services.common import auth
 from services.common.deltas import SampleDelta
 from services.common.errors import ErrorCode, ServiceError, code_from_grpc

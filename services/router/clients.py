@@ -21,7 +21,7 @@ import grpc
 from deepinfer_core.multimodal.embedding_handle import EmbeddingHandle
 from deepinfer_core.sampling_params import SamplingParams
 from deepinfer_core.transfer.messages import KVRegion, KVTarget
-from proto import common_pb2, worker_pb2, worker_pb2_grpc
+from deepinfer_proto import common_pb2, worker_pb2, worker_pb2_grpc
 from services.common import auth
 from services.common.deltas import SampleDelta
 from services.common.errors import ErrorCode, ServiceError

@@ -17,7 +17,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable
 from typing import Optional
 
-from proto import common_pb2
+from deepinfer_proto import common_pb2
 from services.common.deltas import SampleDelta, merge
 from services.common.errors import ErrorCode, ServiceError
 from services.common.messages import delta_from_proto

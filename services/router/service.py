@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from proto import common_pb2, router_pb2, router_pb2_grpc
+from deepinfer_proto import common_pb2, router_pb2, router_pb2_grpc
 from services.common.errors import ErrorCode, ServiceError
 from services.common.grpc_util import handles_errors
 from services.common.messages import delta_to_proto, info_from_proto, info_to_proto, load_to_proto

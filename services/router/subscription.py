@@ -18,7 +18,7 @@ from typing import Optional
 
 import grpc
 
-from proto import worker_pb2
+from deepinfer_proto import worker_pb2
 from services.common.errors import ErrorCode, ServiceError
 from services.common.grpc_util import CALL_ERRORS, error_from_rpc
 from services.router.inbox import RequestInbox

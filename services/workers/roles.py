@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from deepinfer_core.roles import EngineType
-from proto import worker_pb2_grpc
+from deepinfer_proto import worker_pb2_grpc
 from services.common.workers import POOL_COLOCATED, POOL_DECODE, POOL_ENCODER, POOL_NAMES, POOL_PREFILL
 from services.workers.decode_core import DecodeCore
 from services.workers.encoder_core import EncoderCore

@@ -7,7 +7,7 @@ import logging
 
 import grpc
 
-from proto import common_pb2, worker_pb2, worker_pb2_grpc
+from deepinfer_proto import common_pb2, worker_pb2, worker_pb2_grpc
 from services.common.errors import ErrorCode, ServiceError
 from services.common.grpc_util import handles_errors, status_args
 from services.common.messages import (

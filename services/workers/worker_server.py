@@ -140,7 +140,7 @@ class WorkerServer:
         return f"{self.spec.host}:{self._metrics_server.server_port}"
 
     async def _register(self) -> None:
-        from proto import router_pb2_grpc
+        from deepinfer_proto import router_pb2_grpc
         from services.common import auth
         from services.common.messages import info_to_proto
 

@@ -15,7 +15,7 @@ import grpc
 import httpx
 import pytest
 
-from proto import common_pb2, gateway_pb2, gateway_pb2_grpc
+from deepinfer_proto import common_pb2, gateway_pb2, gateway_pb2_grpc
 from services.gateway.front import PROCESS_HEADER
 from tests.helpers.cluster import ServeProcess, metric_value, wait_until
 

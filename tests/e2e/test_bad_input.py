@@ -8,7 +8,7 @@ import grpc
 import httpx
 import pytest
 
-from proto import common_pb2, gateway_pb2, gateway_pb2_grpc
+from deepinfer_proto import common_pb2, gateway_pb2, gateway_pb2_grpc
 
 USER = [{"role": "user", "content": "x"}]
 BIG = 8 * 1024 * 1024 + 10

@@ -10,7 +10,7 @@ import time
 import grpc
 import httpx
 
-from proto import common_pb2, gateway_pb2, gateway_pb2_grpc
+from deepinfer_proto import common_pb2, gateway_pb2, gateway_pb2_grpc
 from tests.helpers.faults import complete, wait_at_rest
 
 CANCELLATIONS = 300

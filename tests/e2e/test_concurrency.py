@@ -7,7 +7,7 @@ import grpc
 import httpx
 import openai
 
-from proto import common_pb2, gateway_pb2_grpc, worker_pb2_grpc
+from deepinfer_proto import common_pb2, gateway_pb2_grpc, worker_pb2_grpc
 from services.common.auth import token_metadata
 from tests.helpers.cluster import wait_until
 

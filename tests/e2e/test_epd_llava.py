@@ -15,7 +15,7 @@ import torch
 from deepinfer_core import LLM, SamplingParams
 from deepinfer_core.builtin import TINY_MODEL_DIR
 from deepinfer_core.multimodal.image_processor import load_image
-from proto import common_pb2, gateway_pb2, gateway_pb2_grpc
+from deepinfer_proto import common_pb2, gateway_pb2, gateway_pb2_grpc
 from tests.helpers.cluster import SMALL_ENGINE, ServeProcess, wait_until
 from tests.helpers.hf_models import HF_IMAGE_PROCESSORS, save_hf_llava
 from tests.helpers.images import make_png

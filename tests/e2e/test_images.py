@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from deepinfer_core import LLM, SamplingParams
-from proto import common_pb2, gateway_pb2, gateway_pb2_grpc
+from deepinfer_proto import common_pb2, gateway_pb2, gateway_pb2_grpc
 from tests.helpers.cluster import wait_until
 from tests.helpers.images import make_png
 

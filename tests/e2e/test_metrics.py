@@ -3,7 +3,7 @@
 import grpc
 import httpx
 
-from proto import common_pb2, gateway_pb2_grpc
+from deepinfer_proto import common_pb2, gateway_pb2_grpc
 from tests.helpers.cluster import metric_value
 
 

@@ -8,7 +8,7 @@ import grpc
 import httpx
 import pytest
 
-from proto import common_pb2, gateway_pb2_grpc
+from deepinfer_proto import common_pb2, gateway_pb2_grpc
 from tests.helpers.cluster import SMALL_ENGINE, ServeProcess, wait_until
 from tests.helpers.faults import Streams
 

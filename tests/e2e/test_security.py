@@ -14,7 +14,7 @@ import pytest
 
 pytest.importorskip("cryptography")
 
-from proto import common_pb2, gateway_pb2, gateway_pb2_grpc, router_pb2_grpc, worker_pb2_grpc  # noqa: E402
+from deepinfer_proto import common_pb2, gateway_pb2, gateway_pb2_grpc, router_pb2_grpc, worker_pb2_grpc  # noqa: E402
 from services.gateway.front import PROCESS_HEADER  # noqa: E402
 from tests.helpers.cluster import SMALL_ENGINE, ServeProcess  # noqa: E402
 from tests.helpers.sockets import listeners  # noqa: E402

@@ -14,7 +14,7 @@ from typing import Optional
 import grpc
 import httpx
 
-from proto import common_pb2, gateway_pb2_grpc
+from deepinfer_proto import common_pb2, gateway_pb2_grpc
 from tests.helpers.cluster import wait_until
 
 PREFILL, DECODE = 2, 3

@@ -9,7 +9,7 @@ import threading
 
 from deepinfer_core.builtin import TINY_MODEL_DIR
 from deepinfer_core.tokenizer import load_tokenizer
-from proto import gateway_pb2_grpc, router_pb2_grpc
+from deepinfer_proto import gateway_pb2_grpc, router_pb2_grpc
 from services.common.grpc_util import bind, new_server
 from services.gateway.core import GatewayConfig, GatewayCore
 from services.gateway.front import GatewayFront

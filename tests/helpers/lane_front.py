@@ -15,7 +15,7 @@ import time
 
 from deepinfer_core.builtin import TINY_MODEL_DIR
 from deepinfer_core.tokenizer import load_tokenizer
-from proto import gateway_pb2_grpc
+from deepinfer_proto import gateway_pb2_grpc
 from services.common.workers import POOL_COLOCATED
 from services.gateway.core import GatewayConfig, GatewayCore
 from services.gateway.front import GatewayFront

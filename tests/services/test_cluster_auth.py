@@ -17,7 +17,7 @@ require_nixl()
 
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc  # noqa: E402
 
-from proto import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc  # noqa: E402
+from deepinfer_proto import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc  # noqa: E402
 from services.common.auth import TOKEN_KEY  # noqa: E402
 from services.common.workers import POOL_COLOCATED  # noqa: E402
 from services.controller.head import Head  # noqa: E402

@@ -7,7 +7,7 @@ import asyncio
 import grpc
 import pytest
 
-from proto import common_pb2, gateway_pb2, gateway_pb2_grpc
+from deepinfer_proto import common_pb2, gateway_pb2, gateway_pb2_grpc
 from services.common.errors import ErrorCode, ServiceError
 from services.common.grpc_util import bind, channel, new_server
 from services.controller.service import ClusterService

@@ -21,7 +21,7 @@ from tests.helpers.nixl import require_nixl  # noqa: E402
 require_nixl()
 
 from deepinfer_core import SamplingParams  # noqa: E402
-from proto import worker_pb2, worker_pb2_grpc  # noqa: E402
+from deepinfer_proto import worker_pb2, worker_pb2_grpc  # noqa: E402
 from services.common.errors import ErrorCode, ServiceError  # noqa: E402
 from services.common.grpc_util import channel  # noqa: E402
 from services.common.params import params_to_proto  # noqa: E402

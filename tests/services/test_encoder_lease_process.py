@@ -24,7 +24,7 @@ import asyncio  # noqa: E402
 from deepinfer_core import SamplingParams  # noqa: E402
 from deepinfer_core.config import PDConfig  # noqa: E402
 from deepinfer_core.transfer.messages import KVTarget  # noqa: E402
-from proto import common_pb2, worker_pb2, worker_pb2_grpc  # noqa: E402
+from deepinfer_proto import common_pb2, worker_pb2, worker_pb2_grpc  # noqa: E402
 from services.common.deltas import SampleDelta  # noqa: E402
 from services.common.errors import ErrorCode, ServiceError  # noqa: E402
 from services.common.prefill_result import PrefillResult  # noqa: E402

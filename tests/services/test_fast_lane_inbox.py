@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from proto import common_pb2
+from deepinfer_proto import common_pb2
 from services.common.errors import ErrorCode, ServiceError
 from services.router.inbox import RequestInbox
 

@@ -13,7 +13,7 @@ import grpc
 import httpx
 import pytest
 
-from proto import common_pb2, gateway_pb2, gateway_pb2_grpc
+from deepinfer_proto import common_pb2, gateway_pb2, gateway_pb2_grpc
 from services.common.grpc_util import PUSHBACK_KEY, RETRY_AFTER_KEY
 from services.gateway.core import GatewayConfig
 from tests.helpers.front import ServedFront
@@ -136,7 +136,7 @@ def test_huge_inputs_are_refused_at_once_while_other_requests_complete(served, s
 
 _HUGE_CLIENT = """
 import sys, grpc, httpx
-from proto import gateway_pb2, gateway_pb2_grpc
+from deepinfer_proto import gateway_pb2, gateway_pb2_grpc
 url, address, MiB = sys.argv[1], sys.argv[2], 1024 * 1024
 stub = gateway_pb2_grpc.GatewayStub(grpc.insecure_channel(address))
 for _ in range(3):

@@ -8,7 +8,15 @@ from pathlib import Path
 from google.protobuf import descriptor_pb2
 
 from deepinfer_core.roles import EngineType
-from proto import common_pb2, gateway_pb2, gateway_pb2_grpc, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
+from deepinfer_proto import (
+    common_pb2,
+    gateway_pb2,
+    gateway_pb2_grpc,
+    router_pb2,
+    router_pb2_grpc,
+    worker_pb2,
+    worker_pb2_grpc,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 MODULES = {"common": common_pb2, "worker": worker_pb2, "router": router_pb2, "gateway": gateway_pb2}
@@ -32,7 +40,7 @@ def test_worker_info_carries_the_python_value():
 
 def test_worker_info_and_connect_peer_carry_the_ce_kv_region():
     from deepinfer_core.transfer.messages import KVRegion
-    from proto import worker_pb2
+    from deepinfer_proto import worker_pb2
     from services.common.messages import info_from_proto, info_to_proto, region_from_proto, region_to_proto
     from services.common.workers import POOL_DECODE, WorkerInfo
 
@@ -49,7 +57,7 @@ def test_worker_info_and_connect_peer_carry_the_ce_kv_region():
 def test_generated_modules_match_the_proto_files(tmp_path):
     """Fails when a .proto changed without `make proto`."""
     out = tmp_path / "set.pb"
-    protos = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "proto").glob("*.proto"))
+    protos = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "deepinfer_proto").glob("*.proto"))
     subprocess.run(
         [sys.executable, "-m", "grpc_tools.protoc", "-I", ".", f"--descriptor_set_out={out}", *protos],
         cwd=ROOT,
@@ -57,15 +65,19 @@ def test_generated_modules_match_the_proto_files(tmp_path):
     )
     fresh = descriptor_pb2.FileDescriptorSet.FromString(out.read_bytes())
     by_name = {f.name: _without_json_names(f) for f in fresh.file}
-    assert set(by_name) == {f"proto/{name}.proto" for name in MODULES}
+    assert set(by_name) == {f"deepinfer_proto/{name}.proto" for name in MODULES}
     for name, module in MODULES.items():
         generated = _without_json_names(descriptor_pb2.FileDescriptorProto.FromString(module.DESCRIPTOR.serialized_pb))
-        assert generated == by_name[f"proto/{name}.proto"], f"proto/{name}_pb2.py is stale: run `make proto`"
+        assert generated == by_name[f"deepinfer_proto/{name}.proto"], (
+            f"deepinfer_proto/{name}_pb2.py is stale: run `make proto`"
+        )
     for name, module in GRPC_MODULES.items():
-        for service in by_name[f"proto/{name}.proto"].service:
+        for service in by_name[f"deepinfer_proto/{name}.proto"].service:
             servicer = getattr(module, f"{service.name}Servicer")
             missing = [m.name for m in service.method if not hasattr(servicer, m.name)]
-            assert not missing, f"proto/{name}_pb2_grpc.py is stale ({service.name} lacks {missing}): run `make proto`"
+            assert not missing, (
+                f"deepinfer_proto/{name}_pb2_grpc.py is stale ({service.name} lacks {missing}): run `make proto`"
+            )
 
 
 def _without_json_names(f: descriptor_pb2.FileDescriptorProto) -> descriptor_pb2.FileDescriptorProto:

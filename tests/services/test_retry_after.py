@@ -10,7 +10,7 @@ import grpc
 import httpx
 import pytest
 
-from proto import common_pb2, gateway_pb2, gateway_pb2_grpc
+from deepinfer_proto import common_pb2, gateway_pb2, gateway_pb2_grpc
 from services.common.grpc_util import PUSHBACK_KEY, RETRY_AFTER_KEY
 from services.common.workers import POOL_COLOCATED
 from services.gateway.core import GatewayConfig

@@ -13,7 +13,7 @@ import grpc
 import pytest
 
 from deepinfer_core import SamplingParams
-from proto import worker_pb2, worker_pb2_grpc
+from deepinfer_proto import worker_pb2, worker_pb2_grpc
 from services.common import auth
 from services.common.errors import ErrorCode, ServiceError
 from services.common.grpc_util import channel, error_from_rpc

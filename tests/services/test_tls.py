@@ -15,7 +15,7 @@ pytest.importorskip("cryptography")
 
 from deepinfer_core.builtin import TINY_MODEL_DIR  # noqa: E402
 from deepinfer_core.tokenizer import load_tokenizer  # noqa: E402
-from proto import common_pb2, gateway_pb2, gateway_pb2_grpc  # noqa: E402
+from deepinfer_proto import common_pb2, gateway_pb2, gateway_pb2_grpc  # noqa: E402
 from services.controller.service import ClusterService  # noqa: E402
 from services.gateway.core import GatewayConfig, GatewayCore  # noqa: E402
 from services.gateway.front import GatewayFront  # noqa: E402

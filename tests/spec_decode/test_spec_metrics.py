@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 from prometheus_client import generate_latest
 
-from proto import common_pb2
+from deepinfer_proto import common_pb2
 from services.cli.admin import format_status
 from services.common.messages import load_from_proto, load_to_proto
 from services.common.workers import WorkerLoad

@@ -2,7 +2,7 @@
 status` names instances and their ranks, and the autoscaling policy's engine is the instance
 (its ranks' KV caches together), not each rank."""
 
-from proto import common_pb2
+from deepinfer_proto import common_pb2
 from services.cli import admin
 from services.common.workers import POOL_DECODE, POOL_PREFILL, WorkerInfo, WorkerLoad
 from services.controller.planner import registry_signals

@@ -3,10 +3,10 @@
 import grpc
 import warnings
 
-from proto import common_pb2 as proto_dot_common__pb2
-from proto import worker_pb2 as proto_dot_worker__pb2
+from deepinfer_proto import common_pb2 as deepinfer__proto_dot_common__pb2
+from deepinfer_proto import worker_pb2 as deepinfer__proto_dot_worker__pb2
 
-GRPC_GENERATED_VERSION = '1.85.1'
+GRPC_GENERATED_VERSION = '1.85.4'
 GRPC_VERSION = grpc.__version__
 _version_not_supported = False
 
@@ -19,7 +19,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in proto/worker_pb2_grpc.py depends on'
+        + ' but the generated code in deepinfer_proto/worker_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -38,28 +38,28 @@ class PrefillStub:
         """
         self.Prefill = channel.unary_unary(
                 '/deepinfer.v1.Prefill/Prefill',
-                request_serializer=proto_dot_worker__pb2.PrefillRequest.SerializeToString,
-                response_deserializer=proto_dot_worker__pb2.PrefillReply.FromString,
+                request_serializer=deepinfer__proto_dot_worker__pb2.PrefillRequest.SerializeToString,
+                response_deserializer=deepinfer__proto_dot_worker__pb2.PrefillReply.FromString,
                 _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/deepinfer.v1.Prefill/Abort',
-                request_serializer=proto_dot_worker__pb2.AbortRequest.SerializeToString,
-                response_deserializer=proto_dot_worker__pb2.AbortReply.FromString,
+                request_serializer=deepinfer__proto_dot_worker__pb2.AbortRequest.SerializeToString,
+                response_deserializer=deepinfer__proto_dot_worker__pb2.AbortReply.FromString,
                 _registered_method=True)
         self.ConnectPeer = channel.unary_unary(
                 '/deepinfer.v1.Prefill/ConnectPeer',
-                request_serializer=proto_dot_worker__pb2.ConnectPeerRequest.SerializeToString,
-                response_deserializer=proto_dot_worker__pb2.ConnectPeerReply.FromString,
+                request_serializer=deepinfer__proto_dot_worker__pb2.ConnectPeerRequest.SerializeToString,
+                response_deserializer=deepinfer__proto_dot_worker__pb2.ConnectPeerReply.FromString,
                 _registered_method=True)
         self.DisconnectPeer = channel.unary_unary(
                 '/deepinfer.v1.Prefill/DisconnectPeer',
-                request_serializer=proto_dot_worker__pb2.DisconnectPeerRequest.SerializeToString,
-                response_deserializer=proto_dot_worker__pb2.DisconnectPeerReply.FromString,
+                request_serializer=deepinfer__proto_dot_worker__pb2.DisconnectPeerRequest.SerializeToString,
+                response_deserializer=deepinfer__proto_dot_worker__pb2.DisconnectPeerReply.FromString,
                 _registered_method=True)
         self.RenewLease = channel.unary_unary(
                 '/deepinfer.v1.Prefill/RenewLease',
-                request_serializer=proto_dot_worker__pb2.LeaseRenewal.SerializeToString,
-                response_deserializer=proto_dot_worker__pb2.LeaseRenewalReply.FromString,
+                request_serializer=deepinfer__proto_dot_worker__pb2.LeaseRenewal.SerializeToString,
+                response_deserializer=deepinfer__proto_dot_worker__pb2.LeaseRenewalReply.FromString,
                 _registered_method=True)
 
 
@@ -112,28 +112,28 @@ def add_PrefillServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Prefill': grpc.unary_unary_rpc_method_handler(
                     servicer.Prefill,
-                    request_deserializer=proto_dot_worker__pb2.PrefillRequest.FromString,
-                    response_serializer=proto_dot_worker__pb2.PrefillReply.SerializeToString,
+                    request_deserializer=deepinfer__proto_dot_worker__pb2.PrefillRequest.FromString,
+                    response_serializer=deepinfer__proto_dot_worker__pb2.PrefillReply.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
-                    request_deserializer=proto_dot_worker__pb2.AbortRequest.FromString,
-                    response_serializer=proto_dot_worker__pb2.AbortReply.SerializeToString,
+                    request_deserializer=deepinfer__proto_dot_worker__pb2.AbortRequest.FromString,
+                    response_serializer=deepinfer__proto_dot_worker__pb2.AbortReply.SerializeToString,
             ),
             'ConnectPeer': grpc.unary_unary_rpc_method_handler(
                     servicer.ConnectPeer,
-                    request_deserializer=proto_dot_worker__pb2.ConnectPeerRequest.FromString,
-                    response_serializer=proto_dot_worker__pb2.ConnectPeerReply.SerializeToString,
+                    request_deserializer=deepinfer__proto_dot_worker__pb2.ConnectPeerRequest.FromString,
+                    response_serializer=deepinfer__proto_dot_worker__pb2.ConnectPeerReply.SerializeToString,
             ),
             'DisconnectPeer': grpc.unary_unary_rpc_method_handler(
                     servicer.DisconnectPeer,
-                    request_deserializer=proto_dot_worker__pb2.DisconnectPeerRequest.FromString,
-                    response_serializer=proto_dot_worker__pb2.DisconnectPeerReply.SerializeToString,
+                    request_deserializer=deepinfer__proto_dot_worker__pb2.DisconnectPeerRequest.FromString,
+                    response_serializer=deepinfer__proto_dot_worker__pb2.DisconnectPeerReply.SerializeToString,
             ),
             'RenewLease': grpc.unary_unary_rpc_method_handler(
                     servicer.RenewLease,
-                    request_deserializer=proto_dot_worker__pb2.LeaseRenewal.FromString,
-                    response_serializer=proto_dot_worker__pb2.LeaseRenewalReply.SerializeToString,
+                    request_deserializer=deepinfer__proto_dot_worker__pb2.LeaseRenewal.FromString,
+                    response_serializer=deepinfer__proto_dot_worker__pb2.LeaseRenewalReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -162,8 +162,8 @@ class Prefill:
             request,
             target,
             '/deepinfer.v1.Prefill/Prefill',
-            proto_dot_worker__pb2.PrefillRequest.SerializeToString,
-            proto_dot_worker__pb2.PrefillReply.FromString,
+            deepinfer__proto_dot_worker__pb2.PrefillRequest.SerializeToString,
+            deepinfer__proto_dot_worker__pb2.PrefillReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -189,8 +189,8 @@ class Prefill:
             request,
             target,
             '/deepinfer.v1.Prefill/Abort',
-            proto_dot_worker__pb2.AbortRequest.SerializeToString,
-            proto_dot_worker__pb2.AbortReply.FromString,
+            deepinfer__proto_dot_worker__pb2.AbortRequest.SerializeToString,
+            deepinfer__proto_dot_worker__pb2.AbortReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -216,8 +216,8 @@ class Prefill:
             request,
             target,
             '/deepinfer.v1.Prefill/ConnectPeer',
-            proto_dot_worker__pb2.ConnectPeerRequest.SerializeToString,
-            proto_dot_worker__pb2.ConnectPeerReply.FromString,
+            deepinfer__proto_dot_worker__pb2.ConnectPeerRequest.SerializeToString,
+            deepinfer__proto_dot_worker__pb2.ConnectPeerReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -243,8 +243,8 @@ class Prefill:
             request,
             target,
             '/deepinfer.v1.Prefill/DisconnectPeer',
-            proto_dot_worker__pb2.DisconnectPeerRequest.SerializeToString,
-            proto_dot_worker__pb2.DisconnectPeerReply.FromString,
+            deepinfer__proto_dot_worker__pb2.DisconnectPeerRequest.SerializeToString,
+            deepinfer__proto_dot_worker__pb2.DisconnectPeerReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -270,8 +270,8 @@ class Prefill:
             request,
             target,
             '/deepinfer.v1.Prefill/RenewLease',
-            proto_dot_worker__pb2.LeaseRenewal.SerializeToString,
-            proto_dot_worker__pb2.LeaseRenewalReply.FromString,
+            deepinfer__proto_dot_worker__pb2.LeaseRenewal.SerializeToString,
+            deepinfer__proto_dot_worker__pb2.LeaseRenewalReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -295,43 +295,43 @@ class DecodeStub:
         """
         self.Reserve = channel.unary_unary(
                 '/deepinfer.v1.Decode/Reserve',
-                request_serializer=proto_dot_worker__pb2.ReserveRequest.SerializeToString,
-                response_deserializer=proto_dot_worker__pb2.ReserveReply.FromString,
+                request_serializer=deepinfer__proto_dot_worker__pb2.ReserveRequest.SerializeToString,
+                response_deserializer=deepinfer__proto_dot_worker__pb2.ReserveReply.FromString,
                 _registered_method=True)
         self.Stream = channel.unary_stream(
                 '/deepinfer.v1.Decode/Stream',
-                request_serializer=proto_dot_worker__pb2.StreamRequest.SerializeToString,
-                response_deserializer=proto_dot_common__pb2.SampleDelta.FromString,
+                request_serializer=deepinfer__proto_dot_worker__pb2.StreamRequest.SerializeToString,
+                response_deserializer=deepinfer__proto_dot_common__pb2.SampleDelta.FromString,
                 _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/deepinfer.v1.Decode/Abort',
-                request_serializer=proto_dot_worker__pb2.AbortRequest.SerializeToString,
-                response_deserializer=proto_dot_worker__pb2.AbortReply.FromString,
+                request_serializer=deepinfer__proto_dot_worker__pb2.AbortRequest.SerializeToString,
+                response_deserializer=deepinfer__proto_dot_worker__pb2.AbortReply.FromString,
                 _registered_method=True)
         self.Generate = channel.unary_stream(
                 '/deepinfer.v1.Decode/Generate',
-                request_serializer=proto_dot_worker__pb2.GenerateWork.SerializeToString,
-                response_deserializer=proto_dot_common__pb2.SampleDelta.FromString,
+                request_serializer=deepinfer__proto_dot_worker__pb2.GenerateWork.SerializeToString,
+                response_deserializer=deepinfer__proto_dot_common__pb2.SampleDelta.FromString,
                 _registered_method=True)
         self.Subscribe = channel.unary_stream(
                 '/deepinfer.v1.Decode/Subscribe',
-                request_serializer=proto_dot_worker__pb2.SubscribeRequest.SerializeToString,
-                response_deserializer=proto_dot_worker__pb2.DeltaBatch.FromString,
+                request_serializer=deepinfer__proto_dot_worker__pb2.SubscribeRequest.SerializeToString,
+                response_deserializer=deepinfer__proto_dot_worker__pb2.DeltaBatch.FromString,
                 _registered_method=True)
         self.Submit = channel.unary_unary(
                 '/deepinfer.v1.Decode/Submit',
-                request_serializer=proto_dot_worker__pb2.GenerateWork.SerializeToString,
-                response_deserializer=proto_dot_worker__pb2.SubmitReply.FromString,
+                request_serializer=deepinfer__proto_dot_worker__pb2.GenerateWork.SerializeToString,
+                response_deserializer=deepinfer__proto_dot_worker__pb2.SubmitReply.FromString,
                 _registered_method=True)
         self.SubmitBatch = channel.unary_unary(
                 '/deepinfer.v1.Decode/SubmitBatch',
-                request_serializer=proto_dot_worker__pb2.SubmitBatchRequest.SerializeToString,
-                response_deserializer=proto_dot_worker__pb2.SubmitBatchReply.FromString,
+                request_serializer=deepinfer__proto_dot_worker__pb2.SubmitBatchRequest.SerializeToString,
+                response_deserializer=deepinfer__proto_dot_worker__pb2.SubmitBatchReply.FromString,
                 _registered_method=True)
         self.RenewLease = channel.unary_unary(
                 '/deepinfer.v1.Decode/RenewLease',
-                request_serializer=proto_dot_worker__pb2.LeaseRenewal.SerializeToString,
-                response_deserializer=proto_dot_worker__pb2.LeaseRenewalReply.FromString,
+                request_serializer=deepinfer__proto_dot_worker__pb2.LeaseRenewal.SerializeToString,
+                response_deserializer=deepinfer__proto_dot_worker__pb2.LeaseRenewalReply.FromString,
                 _registered_method=True)
 
 
@@ -406,43 +406,43 @@ def add_DecodeServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Reserve': grpc.unary_unary_rpc_method_handler(
                     servicer.Reserve,
-                    request_deserializer=proto_dot_worker__pb2.ReserveRequest.FromString,
-                    response_serializer=proto_dot_worker__pb2.ReserveReply.SerializeToString,
+                    request_deserializer=deepinfer__proto_dot_worker__pb2.ReserveRequest.FromString,
+                    response_serializer=deepinfer__proto_dot_worker__pb2.ReserveReply.SerializeToString,
             ),
             'Stream': grpc.unary_stream_rpc_method_handler(
                     servicer.Stream,
-                    request_deserializer=proto_dot_worker__pb2.StreamRequest.FromString,
-                    response_serializer=proto_dot_common__pb2.SampleDelta.SerializeToString,
+                    request_deserializer=deepinfer__proto_dot_worker__pb2.StreamRequest.FromString,
+                    response_serializer=deepinfer__proto_dot_common__pb2.SampleDelta.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
-                    request_deserializer=proto_dot_worker__pb2.AbortRequest.FromString,
-                    response_serializer=proto_dot_worker__pb2.AbortReply.SerializeToString,
+                    request_deserializer=deepinfer__proto_dot_worker__pb2.AbortRequest.FromString,
+                    response_serializer=deepinfer__proto_dot_worker__pb2.AbortReply.SerializeToString,
             ),
             'Generate': grpc.unary_stream_rpc_method_handler(
                     servicer.Generate,
-                    request_deserializer=proto_dot_worker__pb2.GenerateWork.FromString,
-                    response_serializer=proto_dot_common__pb2.SampleDelta.SerializeToString,
+                    request_deserializer=deepinfer__proto_dot_worker__pb2.GenerateWork.FromString,
+                    response_serializer=deepinfer__proto_dot_common__pb2.SampleDelta.SerializeToString,
             ),
             'Subscribe': grpc.unary_stream_rpc_method_handler(
                     servicer.Subscribe,
-                    request_deserializer=proto_dot_worker__pb2.SubscribeRequest.FromString,
-                    response_serializer=proto_dot_worker__pb2.DeltaBatch.SerializeToString,
+                    request_deserializer=deepinfer__proto_dot_worker__pb2.SubscribeRequest.FromString,
+                    response_serializer=deepinfer__proto_dot_worker__pb2.DeltaBatch.SerializeToString,
             ),
             'Submit': grpc.unary_unary_rpc_method_handler(
                     servicer.Submit,
-                    request_deserializer=proto_dot_worker__pb2.GenerateWork.FromString,
-                    response_serializer=proto_dot_worker__pb2.SubmitReply.SerializeToString,
+                    request_deserializer=deepinfer__proto_dot_worker__pb2.GenerateWork.FromString,
+                    response_serializer=deepinfer__proto_dot_worker__pb2.SubmitReply.SerializeToString,
             ),
             'SubmitBatch': grpc.unary_unary_rpc_method_handler(
                     servicer.SubmitBatch,
-                    request_deserializer=proto_dot_worker__pb2.SubmitBatchRequest.FromString,
-                    response_serializer=proto_dot_worker__pb2.SubmitBatchReply.SerializeToString,
+                    request_deserializer=deepinfer__proto_dot_worker__pb2.SubmitBatchRequest.FromString,
+                    response_serializer=deepinfer__proto_dot_worker__pb2.SubmitBatchReply.SerializeToString,
             ),
             'RenewLease': grpc.unary_unary_rpc_method_handler(
                     servicer.RenewLease,
-                    request_deserializer=proto_dot_worker__pb2.LeaseRenewal.FromString,
-                    response_serializer=proto_dot_worker__pb2.LeaseRenewalReply.SerializeToString,
+                    request_deserializer=deepinfer__proto_dot_worker__pb2.LeaseRenewal.FromString,
+                    response_serializer=deepinfer__proto_dot_worker__pb2.LeaseRenewalReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -471,8 +471,8 @@ class Decode:
             request,
             target,
             '/deepinfer.v1.Decode/Reserve',
-            proto_dot_worker__pb2.ReserveRequest.SerializeToString,
-            proto_dot_worker__pb2.ReserveReply.FromString,
+            deepinfer__proto_dot_worker__pb2.ReserveRequest.SerializeToString,
+            deepinfer__proto_dot_worker__pb2.ReserveReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -498,8 +498,8 @@ class Decode:
             request,
             target,
             '/deepinfer.v1.Decode/Stream',
-            proto_dot_worker__pb2.StreamRequest.SerializeToString,
-            proto_dot_common__pb2.SampleDelta.FromString,
+            deepinfer__proto_dot_worker__pb2.StreamRequest.SerializeToString,
+            deepinfer__proto_dot_common__pb2.SampleDelta.FromString,
             options,
             channel_credentials,
             insecure,
@@ -525,8 +525,8 @@ class Decode:
             request,
             target,
             '/deepinfer.v1.Decode/Abort',
-            proto_dot_worker__pb2.AbortRequest.SerializeToString,
-            proto_dot_worker__pb2.AbortReply.FromString,
+            deepinfer__proto_dot_worker__pb2.AbortRequest.SerializeToString,
+            deepinfer__proto_dot_worker__pb2.AbortReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -552,8 +552,8 @@ class Decode:
             request,
             target,
             '/deepinfer.v1.Decode/Generate',
-            proto_dot_worker__pb2.GenerateWork.SerializeToString,
-            proto_dot_common__pb2.SampleDelta.FromString,
+            deepinfer__proto_dot_worker__pb2.GenerateWork.SerializeToString,
+            deepinfer__proto_dot_common__pb2.SampleDelta.FromString,
             options,
             channel_credentials,
             insecure,
@@ -579,8 +579,8 @@ class Decode:
             request,
             target,
             '/deepinfer.v1.Decode/Subscribe',
-            proto_dot_worker__pb2.SubscribeRequest.SerializeToString,
-            proto_dot_worker__pb2.DeltaBatch.FromString,
+            deepinfer__proto_dot_worker__pb2.SubscribeRequest.SerializeToString,
+            deepinfer__proto_dot_worker__pb2.DeltaBatch.FromString,
             options,
             channel_credentials,
             insecure,
@@ -606,8 +606,8 @@ class Decode:
             request,
             target,
             '/deepinfer.v1.Decode/Submit',
-            proto_dot_worker__pb2.GenerateWork.SerializeToString,
-            proto_dot_worker__pb2.SubmitReply.FromString,
+            deepinfer__proto_dot_worker__pb2.GenerateWork.SerializeToString,
+            deepinfer__proto_dot_worker__pb2.SubmitReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -633,8 +633,8 @@ class Decode:
             request,
             target,
             '/deepinfer.v1.Decode/SubmitBatch',
-            proto_dot_worker__pb2.SubmitBatchRequest.SerializeToString,
-            proto_dot_worker__pb2.SubmitBatchReply.FromString,
+            deepinfer__proto_dot_worker__pb2.SubmitBatchRequest.SerializeToString,
+            deepinfer__proto_dot_worker__pb2.SubmitBatchReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -660,8 +660,8 @@ class Decode:
             request,
             target,
             '/deepinfer.v1.Decode/RenewLease',
-            proto_dot_worker__pb2.LeaseRenewal.SerializeToString,
-            proto_dot_worker__pb2.LeaseRenewalReply.FromString,
+            deepinfer__proto_dot_worker__pb2.LeaseRenewal.SerializeToString,
+            deepinfer__proto_dot_worker__pb2.LeaseRenewalReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -685,18 +685,18 @@ class EncoderStub:
         """
         self.Encode = channel.unary_unary(
                 '/deepinfer.v1.Encoder/Encode',
-                request_serializer=proto_dot_worker__pb2.EncodeRequest.SerializeToString,
-                response_deserializer=proto_dot_worker__pb2.EncodeReply.FromString,
+                request_serializer=deepinfer__proto_dot_worker__pb2.EncodeRequest.SerializeToString,
+                response_deserializer=deepinfer__proto_dot_worker__pb2.EncodeReply.FromString,
                 _registered_method=True)
         self.Release = channel.unary_unary(
                 '/deepinfer.v1.Encoder/Release',
-                request_serializer=proto_dot_worker__pb2.ReleaseRequest.SerializeToString,
-                response_deserializer=proto_dot_worker__pb2.ReleaseReply.FromString,
+                request_serializer=deepinfer__proto_dot_worker__pb2.ReleaseRequest.SerializeToString,
+                response_deserializer=deepinfer__proto_dot_worker__pb2.ReleaseReply.FromString,
                 _registered_method=True)
         self.RenewLease = channel.unary_unary(
                 '/deepinfer.v1.Encoder/RenewLease',
-                request_serializer=proto_dot_worker__pb2.LeaseRenewal.SerializeToString,
-                response_deserializer=proto_dot_worker__pb2.LeaseRenewalReply.FromString,
+                request_serializer=deepinfer__proto_dot_worker__pb2.LeaseRenewal.SerializeToString,
+                response_deserializer=deepinfer__proto_dot_worker__pb2.LeaseRenewalReply.FromString,
                 _registered_method=True)
 
 
@@ -734,18 +734,18 @@ def add_EncoderServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Encode': grpc.unary_unary_rpc_method_handler(
                     servicer.Encode,
-                    request_deserializer=proto_dot_worker__pb2.EncodeRequest.FromString,
-                    response_serializer=proto_dot_worker__pb2.EncodeReply.SerializeToString,
+                    request_deserializer=deepinfer__proto_dot_worker__pb2.EncodeRequest.FromString,
+                    response_serializer=deepinfer__proto_dot_worker__pb2.EncodeReply.SerializeToString,
             ),
             'Release': grpc.unary_unary_rpc_method_handler(
                     servicer.Release,
-                    request_deserializer=proto_dot_worker__pb2.ReleaseRequest.FromString,
-                    response_serializer=proto_dot_worker__pb2.ReleaseReply.SerializeToString,
+                    request_deserializer=deepinfer__proto_dot_worker__pb2.ReleaseRequest.FromString,
+                    response_serializer=deepinfer__proto_dot_worker__pb2.ReleaseReply.SerializeToString,
             ),
             'RenewLease': grpc.unary_unary_rpc_method_handler(
                     servicer.RenewLease,
-                    request_deserializer=proto_dot_worker__pb2.LeaseRenewal.FromString,
-                    response_serializer=proto_dot_worker__pb2.LeaseRenewalReply.SerializeToString,
+                    request_deserializer=deepinfer__proto_dot_worker__pb2.LeaseRenewal.FromString,
+                    response_serializer=deepinfer__proto_dot_worker__pb2.LeaseRenewalReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -774,8 +774,8 @@ class Encoder:
             request,
             target,
             '/deepinfer.v1.Encoder/Encode',
-            proto_dot_worker__pb2.EncodeRequest.SerializeToString,
-            proto_dot_worker__pb2.EncodeReply.FromString,
+            deepinfer__proto_dot_worker__pb2.EncodeRequest.SerializeToString,
+            deepinfer__proto_dot_worker__pb2.EncodeReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -801,8 +801,8 @@ class Encoder:
             request,
             target,
             '/deepinfer.v1.Encoder/Release',
-            proto_dot_worker__pb2.ReleaseRequest.SerializeToString,
-            proto_dot_worker__pb2.ReleaseReply.FromString,
+            deepinfer__proto_dot_worker__pb2.ReleaseRequest.SerializeToString,
+            deepinfer__proto_dot_worker__pb2.ReleaseReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -828,8 +828,8 @@ class Encoder:
             request,
             target,
             '/deepinfer.v1.Encoder/RenewLease',
-            proto_dot_worker__pb2.LeaseRenewal.SerializeToString,
-            proto_dot_worker__pb2.LeaseRenewalReply.FromString,
+            deepinfer__proto_dot_worker__pb2.LeaseRenewal.SerializeToString,
+            deepinfer__proto_dot_worker__pb2.LeaseRenewalReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -853,18 +853,18 @@ class WorkerStub:
         """
         self.Stats = channel.unary_unary(
                 '/deepinfer.v1.Worker/Stats',
-                request_serializer=proto_dot_common__pb2.StatusRequest.SerializeToString,
-                response_deserializer=proto_dot_common__pb2.WorkerLoad.FromString,
+                request_serializer=deepinfer__proto_dot_common__pb2.StatusRequest.SerializeToString,
+                response_deserializer=deepinfer__proto_dot_common__pb2.WorkerLoad.FromString,
                 _registered_method=True)
         self.Health = channel.unary_unary(
                 '/deepinfer.v1.Worker/Health',
-                request_serializer=proto_dot_worker__pb2.HealthRequest.SerializeToString,
-                response_deserializer=proto_dot_worker__pb2.HealthReply.FromString,
+                request_serializer=deepinfer__proto_dot_worker__pb2.HealthRequest.SerializeToString,
+                response_deserializer=deepinfer__proto_dot_worker__pb2.HealthReply.FromString,
                 _registered_method=True)
         self.Drain = channel.unary_unary(
                 '/deepinfer.v1.Worker/Drain',
-                request_serializer=proto_dot_worker__pb2.DrainRequest.SerializeToString,
-                response_deserializer=proto_dot_worker__pb2.DrainReply.FromString,
+                request_serializer=deepinfer__proto_dot_worker__pb2.DrainRequest.SerializeToString,
+                response_deserializer=deepinfer__proto_dot_worker__pb2.DrainReply.FromString,
                 _registered_method=True)
 
 
@@ -896,18 +896,18 @@ def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Stats': grpc.unary_unary_rpc_method_handler(
                     servicer.Stats,
-                    request_deserializer=proto_dot_common__pb2.StatusRequest.FromString,
-                    response_serializer=proto_dot_common__pb2.WorkerLoad.SerializeToString,
+                    request_deserializer=deepinfer__proto_dot_common__pb2.StatusRequest.FromString,
+                    response_serializer=deepinfer__proto_dot_common__pb2.WorkerLoad.SerializeToString,
             ),
             'Health': grpc.unary_unary_rpc_method_handler(
                     servicer.Health,
-                    request_deserializer=proto_dot_worker__pb2.HealthRequest.FromString,
-                    response_serializer=proto_dot_worker__pb2.HealthReply.SerializeToString,
+                    request_deserializer=deepinfer__proto_dot_worker__pb2.HealthRequest.FromString,
+                    response_serializer=deepinfer__proto_dot_worker__pb2.HealthReply.SerializeToString,
             ),
             'Drain': grpc.unary_unary_rpc_method_handler(
                     servicer.Drain,
-                    request_deserializer=proto_dot_worker__pb2.DrainRequest.FromString,
-                    response_serializer=proto_dot_worker__pb2.DrainReply.SerializeToString,
+                    request_deserializer=deepinfer__proto_dot_worker__pb2.DrainRequest.FromString,
+                    response_serializer=deepinfer__proto_dot_worker__pb2.DrainReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -936,8 +936,8 @@ class Worker:
             request,
             target,
             '/deepinfer.v1.Worker/Stats',
-            proto_dot_common__pb2.StatusRequest.SerializeToString,
-            proto_dot_common__pb2.WorkerLoad.FromString,
+            deepinfer__proto_dot_common__pb2.StatusRequest.SerializeToString,
+            deepinfer__proto_dot_common__pb2.WorkerLoad.FromString,
             options,
             channel_credentials,
             insecure,
@@ -963,8 +963,8 @@ class Worker:
             request,
             target,
             '/deepinfer.v1.Worker/Health',
-            proto_dot_worker__pb2.HealthRequest.SerializeToString,
-            proto_dot_worker__pb2.HealthReply.FromString,
+            deepinfer__proto_dot_worker__pb2.HealthRequest.SerializeToString,
+            deepinfer__proto_dot_worker__pb2.HealthReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -990,8 +990,8 @@ class Worker:
             request,
             target,
             '/deepinfer.v1.Worker/Drain',
-            proto_dot_worker__pb2.DrainRequest.SerializeToString,
-            proto_dot_worker__pb2.DrainReply.FromString,
+            deepinfer__proto_dot_worker__pb2.DrainRequest.SerializeToString,
+            deepinfer__proto_dot_worker__pb2.DrainReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -3,10 +3,10 @@
 import grpc
 import warnings
 
-from proto import common_pb2 as proto_dot_common__pb2
-from proto import router_pb2 as proto_dot_router__pb2
+from deepinfer_proto import common_pb2 as deepinfer__proto_dot_common__pb2
+from deepinfer_proto import router_pb2 as deepinfer__proto_dot_router__pb2
 
-GRPC_GENERATED_VERSION = '1.85.1'
+GRPC_GENERATED_VERSION = '1.85.4'
 GRPC_VERSION = grpc.__version__
 _version_not_supported = False
 
@@ -19,7 +19,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in proto/router_pb2_grpc.py depends on'
+        + ' but the generated code in deepinfer_proto/router_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -37,28 +37,28 @@ class RouterStub:
         """
         self.Generate = channel.unary_stream(
                 '/deepinfer.v1.Router/Generate',
-                request_serializer=proto_dot_router__pb2.RouteRequest.SerializeToString,
-                response_deserializer=proto_dot_common__pb2.SampleDelta.FromString,
+                request_serializer=deepinfer__proto_dot_router__pb2.RouteRequest.SerializeToString,
+                response_deserializer=deepinfer__proto_dot_common__pb2.SampleDelta.FromString,
                 _registered_method=True)
         self.Register = channel.unary_unary(
                 '/deepinfer.v1.Router/Register',
-                request_serializer=proto_dot_common__pb2.WorkerInfo.SerializeToString,
-                response_deserializer=proto_dot_router__pb2.RegisterReply.FromString,
+                request_serializer=deepinfer__proto_dot_common__pb2.WorkerInfo.SerializeToString,
+                response_deserializer=deepinfer__proto_dot_router__pb2.RegisterReply.FromString,
                 _registered_method=True)
         self.Deregister = channel.unary_unary(
                 '/deepinfer.v1.Router/Deregister',
-                request_serializer=proto_dot_router__pb2.DeregisterRequest.SerializeToString,
-                response_deserializer=proto_dot_router__pb2.DeregisterReply.FromString,
+                request_serializer=deepinfer__proto_dot_router__pb2.DeregisterRequest.SerializeToString,
+                response_deserializer=deepinfer__proto_dot_router__pb2.DeregisterReply.FromString,
                 _registered_method=True)
         self.Drain = channel.unary_unary(
                 '/deepinfer.v1.Router/Drain',
-                request_serializer=proto_dot_router__pb2.DeregisterRequest.SerializeToString,
-                response_deserializer=proto_dot_common__pb2.WorkerStatus.FromString,
+                request_serializer=deepinfer__proto_dot_router__pb2.DeregisterRequest.SerializeToString,
+                response_deserializer=deepinfer__proto_dot_common__pb2.WorkerStatus.FromString,
                 _registered_method=True)
         self.Status = channel.unary_unary(
                 '/deepinfer.v1.Router/Status',
-                request_serializer=proto_dot_common__pb2.StatusRequest.SerializeToString,
-                response_deserializer=proto_dot_common__pb2.ClusterStatus.FromString,
+                request_serializer=deepinfer__proto_dot_common__pb2.StatusRequest.SerializeToString,
+                response_deserializer=deepinfer__proto_dot_common__pb2.ClusterStatus.FromString,
                 _registered_method=True)
 
 
@@ -106,28 +106,28 @@ def add_RouterServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Generate': grpc.unary_stream_rpc_method_handler(
                     servicer.Generate,
-                    request_deserializer=proto_dot_router__pb2.RouteRequest.FromString,
-                    response_serializer=proto_dot_common__pb2.SampleDelta.SerializeToString,
+                    request_deserializer=deepinfer__proto_dot_router__pb2.RouteRequest.FromString,
+                    response_serializer=deepinfer__proto_dot_common__pb2.SampleDelta.SerializeToString,
             ),
             'Register': grpc.unary_unary_rpc_method_handler(
                     servicer.Register,
-                    request_deserializer=proto_dot_common__pb2.WorkerInfo.FromString,
-                    response_serializer=proto_dot_router__pb2.RegisterReply.SerializeToString,
+                    request_deserializer=deepinfer__proto_dot_common__pb2.WorkerInfo.FromString,
+                    response_serializer=deepinfer__proto_dot_router__pb2.RegisterReply.SerializeToString,
             ),
             'Deregister': grpc.unary_unary_rpc_method_handler(
                     servicer.Deregister,
-                    request_deserializer=proto_dot_router__pb2.DeregisterRequest.FromString,
-                    response_serializer=proto_dot_router__pb2.DeregisterReply.SerializeToString,
+                    request_deserializer=deepinfer__proto_dot_router__pb2.DeregisterRequest.FromString,
+                    response_serializer=deepinfer__proto_dot_router__pb2.DeregisterReply.SerializeToString,
             ),
             'Drain': grpc.unary_unary_rpc_method_handler(
                     servicer.Drain,
-                    request_deserializer=proto_dot_router__pb2.DeregisterRequest.FromString,
-                    response_serializer=proto_dot_common__pb2.WorkerStatus.SerializeToString,
+                    request_deserializer=deepinfer__proto_dot_router__pb2.DeregisterRequest.FromString,
+                    response_serializer=deepinfer__proto_dot_common__pb2.WorkerStatus.SerializeToString,
             ),
             'Status': grpc.unary_unary_rpc_method_handler(
                     servicer.Status,
-                    request_deserializer=proto_dot_common__pb2.StatusRequest.FromString,
-                    response_serializer=proto_dot_common__pb2.ClusterStatus.SerializeToString,
+                    request_deserializer=deepinfer__proto_dot_common__pb2.StatusRequest.FromString,
+                    response_serializer=deepinfer__proto_dot_common__pb2.ClusterStatus.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -155,8 +155,8 @@ class Router:
             request,
             target,
             '/deepinfer.v1.Router/Generate',
-            proto_dot_router__pb2.RouteRequest.SerializeToString,
-            proto_dot_common__pb2.SampleDelta.FromString,
+            deepinfer__proto_dot_router__pb2.RouteRequest.SerializeToString,
+            deepinfer__proto_dot_common__pb2.SampleDelta.FromString,
             options,
             channel_credentials,
             insecure,
@@ -182,8 +182,8 @@ class Router:
             request,
             target,
             '/deepinfer.v1.Router/Register',
-            proto_dot_common__pb2.WorkerInfo.SerializeToString,
-            proto_dot_router__pb2.RegisterReply.FromString,
+            deepinfer__proto_dot_common__pb2.WorkerInfo.SerializeToString,
+            deepinfer__proto_dot_router__pb2.RegisterReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -209,8 +209,8 @@ class Router:
             request,
             target,
             '/deepinfer.v1.Router/Deregister',
-            proto_dot_router__pb2.DeregisterRequest.SerializeToString,
-            proto_dot_router__pb2.DeregisterReply.FromString,
+            deepinfer__proto_dot_router__pb2.DeregisterRequest.SerializeToString,
+            deepinfer__proto_dot_router__pb2.DeregisterReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -236,8 +236,8 @@ class Router:
             request,
             target,
             '/deepinfer.v1.Router/Drain',
-            proto_dot_router__pb2.DeregisterRequest.SerializeToString,
-            proto_dot_common__pb2.WorkerStatus.FromString,
+            deepinfer__proto_dot_router__pb2.DeregisterRequest.SerializeToString,
+            deepinfer__proto_dot_common__pb2.WorkerStatus.FromString,
             options,
             channel_credentials,
             insecure,
@@ -263,8 +263,8 @@ class Router:
             request,
             target,
             '/deepinfer.v1.Router/Status',
-            proto_dot_common__pb2.StatusRequest.SerializeToString,
-            proto_dot_common__pb2.ClusterStatus.FromString,
+            deepinfer__proto_dot_common__pb2.StatusRequest.SerializeToString,
+            deepinfer__proto_dot_common__pb2.ClusterStatus.FromString,
             options,
             channel_credentials,
             insecure,

@@ -3,10 +3,10 @@
 import grpc
 import warnings
 
-from proto import common_pb2 as proto_dot_common__pb2
-from proto import gateway_pb2 as proto_dot_gateway__pb2
+from deepinfer_proto import common_pb2 as deepinfer__proto_dot_common__pb2
+from deepinfer_proto import gateway_pb2 as deepinfer__proto_dot_gateway__pb2
 
-GRPC_GENERATED_VERSION = '1.85.1'
+GRPC_GENERATED_VERSION = '1.85.4'
 GRPC_VERSION = grpc.__version__
 _version_not_supported = False
 
@@ -19,7 +19,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in proto/gateway_pb2_grpc.py depends on'
+        + ' but the generated code in deepinfer_proto/gateway_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -37,18 +37,18 @@ class GatewayStub:
         """
         self.Generate = channel.unary_stream(
                 '/deepinfer.v1.Gateway/Generate',
-                request_serializer=proto_dot_gateway__pb2.GenerateRequest.SerializeToString,
-                response_deserializer=proto_dot_gateway__pb2.GenerateResponse.FromString,
+                request_serializer=deepinfer__proto_dot_gateway__pb2.GenerateRequest.SerializeToString,
+                response_deserializer=deepinfer__proto_dot_gateway__pb2.GenerateResponse.FromString,
                 _registered_method=True)
         self.Health = channel.unary_unary(
                 '/deepinfer.v1.Gateway/Health',
-                request_serializer=proto_dot_gateway__pb2.HealthCheckRequest.SerializeToString,
-                response_deserializer=proto_dot_gateway__pb2.HealthCheckReply.FromString,
+                request_serializer=deepinfer__proto_dot_gateway__pb2.HealthCheckRequest.SerializeToString,
+                response_deserializer=deepinfer__proto_dot_gateway__pb2.HealthCheckReply.FromString,
                 _registered_method=True)
         self.Models = channel.unary_unary(
                 '/deepinfer.v1.Gateway/Models',
-                request_serializer=proto_dot_gateway__pb2.ModelsRequest.SerializeToString,
-                response_deserializer=proto_dot_gateway__pb2.ModelsReply.FromString,
+                request_serializer=deepinfer__proto_dot_gateway__pb2.ModelsRequest.SerializeToString,
+                response_deserializer=deepinfer__proto_dot_gateway__pb2.ModelsReply.FromString,
                 _registered_method=True)
 
 
@@ -84,18 +84,18 @@ def add_GatewayServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Generate': grpc.unary_stream_rpc_method_handler(
                     servicer.Generate,
-                    request_deserializer=proto_dot_gateway__pb2.GenerateRequest.FromString,
-                    response_serializer=proto_dot_gateway__pb2.GenerateResponse.SerializeToString,
+                    request_deserializer=deepinfer__proto_dot_gateway__pb2.GenerateRequest.FromString,
+                    response_serializer=deepinfer__proto_dot_gateway__pb2.GenerateResponse.SerializeToString,
             ),
             'Health': grpc.unary_unary_rpc_method_handler(
                     servicer.Health,
-                    request_deserializer=proto_dot_gateway__pb2.HealthCheckRequest.FromString,
-                    response_serializer=proto_dot_gateway__pb2.HealthCheckReply.SerializeToString,
+                    request_deserializer=deepinfer__proto_dot_gateway__pb2.HealthCheckRequest.FromString,
+                    response_serializer=deepinfer__proto_dot_gateway__pb2.HealthCheckReply.SerializeToString,
             ),
             'Models': grpc.unary_unary_rpc_method_handler(
                     servicer.Models,
-                    request_deserializer=proto_dot_gateway__pb2.ModelsRequest.FromString,
-                    response_serializer=proto_dot_gateway__pb2.ModelsReply.SerializeToString,
+                    request_deserializer=deepinfer__proto_dot_gateway__pb2.ModelsRequest.FromString,
+                    response_serializer=deepinfer__proto_dot_gateway__pb2.ModelsReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -123,8 +123,8 @@ class Gateway:
             request,
             target,
             '/deepinfer.v1.Gateway/Generate',
-            proto_dot_gateway__pb2.GenerateRequest.SerializeToString,
-            proto_dot_gateway__pb2.GenerateResponse.FromString,
+            deepinfer__proto_dot_gateway__pb2.GenerateRequest.SerializeToString,
+            deepinfer__proto_dot_gateway__pb2.GenerateResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -150,8 +150,8 @@ class Gateway:
             request,
             target,
             '/deepinfer.v1.Gateway/Health',
-            proto_dot_gateway__pb2.HealthCheckRequest.SerializeToString,
-            proto_dot_gateway__pb2.HealthCheckReply.FromString,
+            deepinfer__proto_dot_gateway__pb2.HealthCheckRequest.SerializeToString,
+            deepinfer__proto_dot_gateway__pb2.HealthCheckReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -177,8 +177,8 @@ class Gateway:
             request,
             target,
             '/deepinfer.v1.Gateway/Models',
-            proto_dot_gateway__pb2.ModelsRequest.SerializeToString,
-            proto_dot_gateway__pb2.ModelsReply.FromString,
+            deepinfer__proto_dot_gateway__pb2.ModelsRequest.SerializeToString,
+            deepinfer__proto_dot_gateway__pb2.ModelsReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -202,13 +202,13 @@ class ClusterStub:
         """
         self.Scale = channel.unary_unary(
                 '/deepinfer.v1.Cluster/Scale',
-                request_serializer=proto_dot_gateway__pb2.ScaleRequest.SerializeToString,
-                response_deserializer=proto_dot_common__pb2.ClusterStatus.FromString,
+                request_serializer=deepinfer__proto_dot_gateway__pb2.ScaleRequest.SerializeToString,
+                response_deserializer=deepinfer__proto_dot_common__pb2.ClusterStatus.FromString,
                 _registered_method=True)
         self.Status = channel.unary_unary(
                 '/deepinfer.v1.Cluster/Status',
-                request_serializer=proto_dot_common__pb2.StatusRequest.SerializeToString,
-                response_deserializer=proto_dot_common__pb2.ClusterStatus.FromString,
+                request_serializer=deepinfer__proto_dot_common__pb2.StatusRequest.SerializeToString,
+                response_deserializer=deepinfer__proto_dot_common__pb2.ClusterStatus.FromString,
                 _registered_method=True)
 
 
@@ -234,13 +234,13 @@ def add_ClusterServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Scale': grpc.unary_unary_rpc_method_handler(
                     servicer.Scale,
-                    request_deserializer=proto_dot_gateway__pb2.ScaleRequest.FromString,
-                    response_serializer=proto_dot_common__pb2.ClusterStatus.SerializeToString,
+                    request_deserializer=deepinfer__proto_dot_gateway__pb2.ScaleRequest.FromString,
+                    response_serializer=deepinfer__proto_dot_common__pb2.ClusterStatus.SerializeToString,
             ),
             'Status': grpc.unary_unary_rpc_method_handler(
                     servicer.Status,
-                    request_deserializer=proto_dot_common__pb2.StatusRequest.FromString,
-                    response_serializer=proto_dot_common__pb2.ClusterStatus.SerializeToString,
+                    request_deserializer=deepinfer__proto_dot_common__pb2.StatusRequest.FromString,
+                    response_serializer=deepinfer__proto_dot_common__pb2.ClusterStatus.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -269,8 +269,8 @@ class Cluster:
             request,
             target,
             '/deepinfer.v1.Cluster/Scale',
-            proto_dot_gateway__pb2.ScaleRequest.SerializeToString,
-            proto_dot_common__pb2.ClusterStatus.FromString,
+            deepinfer__proto_dot_gateway__pb2.ScaleRequest.SerializeToString,
+            deepinfer__proto_dot_common__pb2.ClusterStatus.FromString,
             options,
             channel_credentials,
             insecure,
@@ -296,8 +296,8 @@ class Cluster:
             request,
             target,
             '/deepinfer.v1.Cluster/Status',
-            proto_dot_common__pb2.StatusRequest.SerializeToString,
-            proto_dot_common__pb2.ClusterStatus.FromString,
+            deepinfer__proto_dot_common__pb2.StatusRequest.SerializeToString,
+            deepinfer__proto_dot_common__pb2.ClusterStatus.FromString,
             options,
             channel_credentials,
             insecure,

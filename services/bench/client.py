@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Any
 
@@ -36,11 +37,13 @@ async def _read_stream(response: httpx.Response, kind: str, record: RequestRecor
     last = record.start
     events = 0
     parts: list[str] = []
-    async for line in response.aiter_lines():
+    lines = response.aiter_lines()
+    async for line in lines:
         if not line.startswith("data:"):
             continue  # blank separators, comments (": keep-alive"), `event:` lines
         data = line[5:].strip()
         if data == "[DONE]":
+            await _finish_body(lines)
             break
         chunk = parse_event(kind, data)
         if chunk.error:
@@ -64,3 +67,22 @@ async def _read_stream(response: httpx.Response, kind: str, record: RequestRecor
         record.error = "the stream ended without a generated token"
     elif record.output_tokens == 0:
         record.output_tokens = events  # no usage in the stream: one token per event
+
+
+_BODY_END_WAIT_S = 1.0
+
+
+async def _finish_body(lines) -> None:
+    """Read the rest of the body after [DONE] (the chunked terminator follows it at once), so the
+    connection goes back to the pool: a response closed mid-body closes its connection, and every
+    request would then open a new one and count its connect in TTFT. A server that keeps the body
+    open past [DONE] is left after a second, its connection closed as before."""
+
+    async def drain() -> None:
+        async for _ in lines:
+            pass
+
+    try:
+        await asyncio.wait_for(drain(), _BODY_END_WAIT_S)
+    except asyncio.TimeoutError:
+        pass

@@ -23,6 +23,8 @@ class Behaviour:
     fail_after: int | None = None
     """Requests after this many answer HTTP 500."""
     send_usage: bool = True
+    linger_after_done_s: float = 0.0
+    """How long the body stays open after [DONE] (a server that ends its streams late)."""
 
 
 def _chunk(kind: str, text: str) -> str:
@@ -30,7 +32,7 @@ def _chunk(kind: str, text: str) -> str:
     return f"data: {json.dumps({'choices': [choice], 'usage': None})}\n\n"
 
 
-def build_app(behaviour: Behaviour) -> FastAPI:
+def build_app(behaviour: Behaviour, client_ports: set[int]) -> FastAPI:
     app = FastAPI()
     seen = {"requests": 0}
 
@@ -41,6 +43,7 @@ def build_app(behaviour: Behaviour) -> FastAPI:
     async def generate(request: Request, kind: str):
         body = await request.json()
         seen["requests"] += 1
+        client_ports.add(request.client.port)
         if body.get("model") != MODEL:
             return JSONResponse({"error": {"message": f"the model {body.get('model')!r} does not exist"}}, 404)
         if behaviour.fail_after is not None and seen["requests"] > behaviour.fail_after:
@@ -57,6 +60,7 @@ def build_app(behaviour: Behaviour) -> FastAPI:
                 usage = {"prompt_tokens": 7, "completion_tokens": n, "total_tokens": 7 + n}
                 yield f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n"
             yield "data: [DONE]\n\n"
+            await asyncio.sleep(behaviour.linger_after_done_s)
 
         return StreamingResponse(events(), media_type="text/event-stream")
 
@@ -78,7 +82,11 @@ class FakeServer:
         self.sock = socket.socket()
         self.sock.bind(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        config = uvicorn.Config(build_app(behaviour or Behaviour()), log_level="warning", lifespan="off")
+        self.client_ports: set[int] = set()
+        """The client port of every generation request: one per connection the clients opened."""
+        config = uvicorn.Config(
+            build_app(behaviour or Behaviour(), self.client_ports), log_level="warning", lifespan="off"
+        )
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
         self.thread.start()

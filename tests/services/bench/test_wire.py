@@ -67,6 +67,28 @@ def test_output_tokens_come_from_usage_when_the_stream_gives_it(send_usage):
     assert r.generated_text == " t0 t1 t2 t3 t4 t5"
 
 
+def test_requests_in_turn_reuse_one_connection_and_a_body_left_open_after_done_is_not_waited_for():
+    server = FakeServer(Behaviour(first_token_s=0.01, token_gap_s=0.001))
+    lingering = FakeServer(Behaviour(first_token_s=0.01, token_gap_s=0.001, linger_after_done_s=30.0))
+
+    async def in_turn(url: str, n: int):
+        async with httpx.AsyncClient(timeout=60) as http:
+            body = request_body(COMPLETIONS, MODEL, BenchRequest("x", 1, 4), Sampling())
+            return [await send(http, f"{url}/v1/completions", COMPLETIONS, body, prompt_len=1) for _ in range(n)]
+
+    try:
+        records = asyncio.run(in_turn(server.url, 5))
+        late = asyncio.run(in_turn(lingering.url, 1))[0]
+    finally:
+        server.stop()
+        lingering.stop()
+    assert all(r.success and r.output_tokens == 4 for r in records)
+    # the body is read to its end after [DONE], so the connection goes back to the pool: one connect,
+    # not one per request (whose connect would be timed inside TTFT)
+    assert len(server.client_ports) == 1, server.client_ports
+    assert late.success and late.output_tokens == 4 and late.latency < 5.0  # left after ~1 s, not 30
+
+
 def test_arrivals_poisson_gamma_constant_and_all_at_once():
     assert arrival_offsets(4, float("inf"), 1.0, seed=0) == [0.0] * 4
     poisson = np.diff(arrival_offsets(20001, 10.0, 1.0, seed=0))

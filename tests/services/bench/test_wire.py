@@ -89,6 +89,34 @@ def test_requests_in_turn_reuse_one_connection_and_a_body_left_open_after_done_i
     assert late.success and late.output_tokens == 4 and late.latency < 5.0  # left after ~1 s, not 30
 
 
+def test_a_connection_dropped_right_after_done_still_counts_as_a_whole_response():
+    """A server that closes the connection after `[DONE]` without the chunked terminator: the
+    response was whole, so the request succeeded (httpx raises on the missing terminator)."""
+    events = b"".join(
+        b"%x\r\n%b\r\n" % (len(e), e)
+        for e in [b'data: {"choices": [{"index": 0, "text": " a"}]}\n\n', b"data: [DONE]\n\n"]
+    )
+
+    async def scenario():
+        async def handle(reader, writer):
+            await reader.readuntil(b"\r\n\r\n")
+            await reader.read(1 << 16)  # the body (small, sent at once)
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
+            writer.write(events)  # no b"0\r\n\r\n": the body never ends properly
+            await writer.drain()
+            writer.close()
+
+        server = await asyncio.start_server(handle, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        async with server, httpx.AsyncClient(timeout=10) as http:
+            body = request_body(COMPLETIONS, MODEL, BenchRequest("x", 1, 1), Sampling())
+            return await send(http, f"http://127.0.0.1:{port}/v1/completions", COMPLETIONS, body, prompt_len=1)
+
+    r = asyncio.run(scenario())
+    assert r.success, r.error
+    assert r.generated_text == " a" and r.output_tokens == 1
+
+
 def test_arrivals_poisson_gamma_constant_and_all_at_once():
     assert arrival_offsets(4, float("inf"), 1.0, seed=0) == [0.0] * 4
     poisson = np.diff(arrival_offsets(20001, 10.0, 1.0, seed=0))

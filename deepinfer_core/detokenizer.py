@@ -5,14 +5,18 @@ UTF-8 character (which decodes to U+FFFD), and some decoders depend on the previ
 SentencePiece-style decoder strips the leading space of the first token it sees). So, as vLLM
 does, we decode a short window of tokens: its head (`window[:read_offset]`) holds the last few
 tokens already emitted, kept only as context, and its tail the tokens not yet fully emitted.
-Each step decodes the window and releases its text except for trailing U+FFFDs, which may be a
-character whose remaining bytes are still to come. When the window's text ends on a character
-boundary, the window slides so that only a few tokens of context remain; the cost per token is
-the size of the window, not the length of the output.
+Each step decodes the window. When its text ends on a character boundary, the new text is
+released and the window slides so that only a few tokens of context remain; the cost per token
+is the size of the window, not the length of the output. When it ends in U+FFFD (a character
+whose remaining bytes may still come), nothing is released, not even the text before that
+character (as vLLM's detokenizer does): so a step that releases text always ends on a character
+boundary of the output's bytes, and the text so far is then the decoding of the tokens so far.
+Request migration relies on that: it continues a stream from such a step, with the tokens so far
+as the new prompt (`services/router/migration.py`).
 
-Guarantee: after every step `output_text` is `tokenizer.decode(output_ids, skip_special_tokens)`
-without its trailing U+FFFDs, and after `flush()` exactly that decode; so no delta carries a
-U+FFFD made by splitting a character across tokens. Exceptions:
+Guarantee: after every step `output_text` is `tokenizer.decode(output_ids[:m], skip_special_tokens)`
+for the last step m whose decode did not end in U+FFFD, and after `flush()` the whole decode; so
+no delta carries a U+FFFD made by splitting a character across tokens. Exceptions:
 - with a decoder that strips the first token's leading space (SentencePiece/Metaspace), a
   non-empty prompt gives the first output token context, so the stream keeps that space while
   `decode(output_ids)` alone drops it (vLLM behaves the same);
@@ -64,14 +68,15 @@ class IncrementalDetokenizer:
             return ""
         self._window.extend(kept)
         text = self._decode(self._window)
-        complete = len(text.rstrip(_REPLACEMENT_CHAR))
-        delta = self._release(text, complete)
-        if complete == len(text):  # on a character boundary: keep a little context, slide
+        if not text.endswith(_REPLACEMENT_CHAR):  # on a character boundary: release, keep a little context
+            delta = self._release(text, len(text))
             self._restart(self._window[-_CONTEXT_TOKENS:])
-        elif len(self._window) - self._read_offset >= _MAX_HELD_TOKENS:
-            delta += self._release(text, len(text))
+            return delta
+        if len(self._window) - self._read_offset >= _MAX_HELD_TOKENS:  # invalid bytes: let them go
+            delta = self._release(text, len(text))
             self._restart([])
-        return delta
+            return delta
+        return ""  # inside a character: hold all of this text until it ends
 
     def flush(self) -> str:
         """At the end of the stream, release whatever is still held back."""

@@ -47,6 +47,25 @@ CALL_ERRORS = (grpc.aio.AioRpcError, grpc.aio.UsageError)
 left the registry while a request still held it)."""
 
 
+async def called(call, what: str):
+    """The reply of `call` (a unary call on a channel); its failure as a ServiceError naming `what`.
+
+    A call cut off by the close of its channel (the worker left the registry, e.g. declared dead,
+    while the call was in flight) raises asyncio.CancelledError in grpc.aio although no task was
+    cancelled. Left as it is, it ends the request as if the client had gone (an HTTP 500 from the
+    server, not a retry): it is UNAVAILABLE. A CancelledError of a task that is itself being
+    cancelled still propagates."""
+    try:
+        return await call
+    except CALL_ERRORS as e:
+        raise error_from_rpc(e, what) from None
+    except asyncio.CancelledError:
+        task = asyncio.current_task()
+        if task is None or task.cancelling():
+            raise
+        raise ServiceError(ErrorCode.UNAVAILABLE, f"{what} left while a call to it was in flight") from None
+
+
 def error_from_rpc(e: grpc.aio.AioRpcError | grpc.aio.UsageError, what: str) -> ServiceError:
     """A failed call to another service, as a ServiceError naming `what` was called."""
     if isinstance(e, grpc.aio.UsageError):

@@ -25,7 +25,7 @@ from deepinfer_proto import common_pb2, worker_pb2, worker_pb2_grpc
 from services.common import auth
 from services.common.deltas import SampleDelta
 from services.common.errors import ErrorCode, ServiceError
-from services.common.grpc_util import CALL_ERRORS, channel, error_from_rpc
+from services.common.grpc_util import CALL_ERRORS, called, channel, error_from_rpc
 from services.common.messages import (
     delta_from_proto,
     handle_from_proto,
@@ -163,10 +163,7 @@ class GrpcWorkerClient:
             images=[i for i in images if isinstance(i, bytes)],
             image_embeds=[handle_to_proto(i) for i in images if isinstance(i, EmbeddingHandle)],
         )
-        try:
-            reply = await self._prefill.Prefill(req, timeout=timeout)
-        except CALL_ERRORS as e:
-            raise error_from_rpc(e, self.name) from None
+        reply = await called(self._prefill.Prefill(req, timeout=timeout), self.name)
         return prefill_result_from_proto(reply)
 
     def stream(self, request_id, timeout) -> AsyncIterator[SampleDelta]:
@@ -288,10 +285,7 @@ class GrpcWorkerClient:
     async def renew_lease(self, request_id, prefill: bool, lease_s: float, expires_at: float, timeout: float) -> float:
         stub = self._prefill if prefill else self._encoder if self.pool == POOL_ENCODER else self._decode
         req = worker_pb2.LeaseRenewal(request_id=request_id, lease_s=lease_s, expires_at=expires_at)
-        try:
-            return (await stub.RenewLease(req, timeout=timeout)).expires_at
-        except CALL_ERRORS as e:
-            raise error_from_rpc(e, self.name) from None
+        return (await called(stub.RenewLease(req, timeout=timeout), self.name)).expires_at
 
     async def encode(self, request_id, images, timeout, lease_s: float = 0.0) -> list[EmbeddingHandle]:
         req = worker_pb2.EncodeRequest(request_id=request_id, images=list(images), lease_s=lease_s)

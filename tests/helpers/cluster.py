@@ -81,6 +81,21 @@ class ServeProcess:
     def base_url(self) -> str:
         return f"{self.url}/v1"
 
+    def error_output(self, most: int = 80) -> str:
+        """The server's tracebacks and error lines so far (the last `most` lines of them), for a
+        failing test's message."""
+        picked, in_traceback = [], False
+        for line in list(self.lines):
+            if line.startswith("Traceback") or "ERROR" in line or "Error" in line:
+                in_traceback = in_traceback or line.startswith("Traceback")
+                picked.append(line)
+            elif in_traceback:
+                picked.append(line)
+                in_traceback = (
+                    line.startswith((" ", "\t", "During handling", "The above exception")) or not line.strip()
+                )
+        return "".join(picked[-most:])
+
     def api_pids(self) -> dict[int, int]:
         """Pid of each API process (`--api-workers`), the head's as 0; the latest start of each."""
         pids = {0: self.proc.pid}

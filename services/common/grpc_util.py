@@ -47,8 +47,10 @@ CALL_ERRORS = (grpc.aio.AioRpcError, grpc.aio.UsageError)
 left the registry while a request still held it)."""
 
 
-async def called(call, what: str):
-    """The reply of `call` (a unary call on a channel); its failure as a ServiceError naming `what`.
+async def called(method, request, what: str, **options):
+    """The reply of the unary call `method(request, **options)` on a channel; its failure as a
+    ServiceError naming `what`. The call is made in here: a closed channel refuses to open one
+    (UsageError, at once) and that maps too.
 
     A call cut off by the close of its channel (the worker left the registry, e.g. declared dead,
     while the call was in flight) raises asyncio.CancelledError in grpc.aio although no task was
@@ -56,7 +58,7 @@ async def called(call, what: str):
     server, not a retry): it is UNAVAILABLE. A CancelledError of a task that is itself being
     cancelled still propagates."""
     try:
-        return await call
+        return await method(request, **options)
     except CALL_ERRORS as e:
         raise error_from_rpc(e, what) from None
     except asyncio.CancelledError:

@@ -145,10 +145,7 @@ class GrpcWorkerClient:
             subscriber_id=inbox.subscription.subscriber_id if inbox else "",
         )
         try:
-            reply = await self._decode.Reserve(req, timeout=timeout)
-        except CALL_ERRORS as e:
-            self._drop(request_id)
-            raise error_from_rpc(e, self.name) from None
+            reply = await called(self._decode.Reserve, req, self.name, timeout=timeout)
         except BaseException:
             self._drop(request_id)
             raise
@@ -163,7 +160,7 @@ class GrpcWorkerClient:
             images=[i for i in images if isinstance(i, bytes)],
             image_embeds=[handle_to_proto(i) for i in images if isinstance(i, EmbeddingHandle)],
         )
-        reply = await called(self._prefill.Prefill(req, timeout=timeout), self.name)
+        reply = await called(self._prefill.Prefill, req, self.name, timeout=timeout)
         return prefill_result_from_proto(reply)
 
     def stream(self, request_id, timeout) -> AsyncIterator[SampleDelta]:
@@ -285,7 +282,7 @@ class GrpcWorkerClient:
     async def renew_lease(self, request_id, prefill: bool, lease_s: float, expires_at: float, timeout: float) -> float:
         stub = self._prefill if prefill else self._encoder if self.pool == POOL_ENCODER else self._decode
         req = worker_pb2.LeaseRenewal(request_id=request_id, lease_s=lease_s, expires_at=expires_at)
-        return (await called(stub.RenewLease(req, timeout=timeout), self.name)).expires_at
+        return (await called(stub.RenewLease, req, self.name, timeout=timeout)).expires_at
 
     async def encode(self, request_id, images, timeout, lease_s: float = 0.0) -> list[EmbeddingHandle]:
         req = worker_pb2.EncodeRequest(request_id=request_id, images=list(images), lease_s=lease_s)
@@ -305,28 +302,17 @@ class GrpcWorkerClient:
         req = worker_pb2.ConnectPeerRequest(
             agent_name=agent_name, agent_metadata=metadata, region=region_to_proto(region)
         )
-        try:
-            await self._prefill.ConnectPeer(req, timeout=30)
-        except CALL_ERRORS as e:
-            raise error_from_rpc(e, self.name) from None
+        await called(self._prefill.ConnectPeer, req, self.name, timeout=30)
 
     async def disconnect_peer(self, agent_name: str) -> None:
-        try:
-            await self._prefill.DisconnectPeer(worker_pb2.DisconnectPeerRequest(agent_name=agent_name), timeout=10)
-        except CALL_ERRORS as e:
-            raise error_from_rpc(e, self.name) from None
+        request = worker_pb2.DisconnectPeerRequest(agent_name=agent_name)
+        await called(self._prefill.DisconnectPeer, request, self.name, timeout=10)
 
     async def stats(self, timeout) -> WorkerLoad:
-        try:
-            return load_from_proto(await self._worker.Stats(common_pb2.StatusRequest(), timeout=timeout))
-        except CALL_ERRORS as e:
-            raise error_from_rpc(e, self.name) from None
+        return load_from_proto(await called(self._worker.Stats, common_pb2.StatusRequest(), self.name, timeout=timeout))
 
     async def drain(self, timeout) -> int:
-        try:
-            return (await self._worker.Drain(worker_pb2.DrainRequest(), timeout=timeout)).requests
-        except CALL_ERRORS as e:
-            raise error_from_rpc(e, self.name) from None
+        return (await called(self._worker.Drain, worker_pb2.DrainRequest(), self.name, timeout=timeout)).requests
 
     async def close(self) -> None:
         if self._subscription is not None:

@@ -115,6 +115,7 @@ class TokenSourcePrompt(TokenSourceEngine):
         prompt_token_ids: Optional[list[int]] = None,
         prompt: Optional[str] = None,
         multi_modal_data: Optional[dict] = None,
+        resumed_tokens: int = 0,
     ) -> SourceRequest:
         """As `PromptEngine.add_prefill`; a token source takes no images."""
         if multi_modal_data:

@@ -168,9 +168,11 @@ class TokenSourceEngine:
         arrival_time: Optional[float] = None,
         enqueue: bool = True,
         multi_modal_data: Optional[dict] = None,
+        resumed_tokens: int = 0,
     ) -> SourceRequest:
         """Admit a request given as token ids. Raises InvalidRequestError as the real engine does
-        for a reused id, an empty or too long prompt; also for text prompts, images and n > 1."""
+        for a reused id, an empty or too long prompt; also for text prompts, images and n > 1.
+        `resumed_tokens` (a migrated sample's output so far) changes nothing: it takes no images."""
         started = time.thread_time()
         try:
             return self._admit_request(request_id, params, prompt_token_ids, enqueue, multi_modal_data)

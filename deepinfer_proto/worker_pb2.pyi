@@ -8,20 +8,22 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "params", "kv_target", "images", "image_embeds")
+    __slots__ = ("request_id", "prompt_token_ids", "params", "kv_target", "images", "image_embeds", "resumed_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     KV_TARGET_FIELD_NUMBER: _ClassVar[int]
     IMAGES_FIELD_NUMBER: _ClassVar[int]
     IMAGE_EMBEDS_FIELD_NUMBER: _ClassVar[int]
+    RESUMED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     params: _common_pb2.SamplingParams
     kv_target: _common_pb2.KVTarget
     images: _containers.RepeatedScalarFieldContainer[bytes]
     image_embeds: _containers.RepeatedCompositeFieldContainer[EmbeddingHandle]
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., kv_target: _Optional[_Union[_common_pb2.KVTarget, _Mapping]] = ..., images: _Optional[_Iterable[bytes]] = ..., image_embeds: _Optional[_Iterable[_Union[EmbeddingHandle, _Mapping]]] = ...) -> None: ...
+    resumed_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., kv_target: _Optional[_Union[_common_pb2.KVTarget, _Mapping]] = ..., images: _Optional[_Iterable[bytes]] = ..., image_embeds: _Optional[_Iterable[_Union[EmbeddingHandle, _Mapping]]] = ..., resumed_tokens: _Optional[int] = ...) -> None: ...
 
 class PrefillReply(_message.Message):
     __slots__ = ("first", "kv_bytes", "kv_seconds", "queue_seconds", "kv_exposed_seconds", "embeds_seconds")
@@ -66,18 +68,20 @@ class StreamRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ...) -> None: ...
 
 class GenerateWork(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "params", "subscriber_id", "images")
+    __slots__ = ("request_id", "prompt_token_ids", "params", "subscriber_id", "images", "resumed_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     SUBSCRIBER_ID_FIELD_NUMBER: _ClassVar[int]
     IMAGES_FIELD_NUMBER: _ClassVar[int]
+    RESUMED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     params: _common_pb2.SamplingParams
     subscriber_id: str
     images: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., subscriber_id: _Optional[str] = ..., images: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    resumed_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., subscriber_id: _Optional[str] = ..., images: _Optional[_Iterable[bytes]] = ..., resumed_tokens: _Optional[int] = ...) -> None: ...
 
 class SubmitReply(_message.Message):
     __slots__ = ()

@@ -46,10 +46,17 @@ class RequestAdmission:
         arrival_time: Optional[float] = None,
         enqueue: bool = True,
         multi_modal_data: Optional[dict] = None,
+        resumed_tokens: int = 0,
+        computes_prompt: Optional[bool] = None,
     ) -> Sequence:
         """Admit a request. With `enqueue=False` the sequence is built but not queued
         (a CE enqueues it once its KV has arrived; rejecting before that needs no rollback).
         `multi_modal_data`: {"image": image(s)} or {"image_embeds": ...}, one per placeholder token.
+        `resumed_tokens`: the prompt's last this many tokens are output of an earlier attempt (a
+        migrated sample's continuation). They are plain tokens: an image placeholder id among them
+        is a token the model generated, not a place for an image.
+        `computes_prompt`: this engine runs the prompt's forward (default: when it enqueues; a CE's
+        local prefill does, later): a prompt it computes has its image placeholders checked.
 
         Raises:
             InvalidRequestError: a used request id, an empty, over-long or out-of-vocabulary prompt,
@@ -59,7 +66,19 @@ class RequestAdmission:
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         ids = self._prompt_ids(prompt, prompt_token_ids)
-        ids, images = self._image_inputs(ids, multi_modal_data, computes_prompt=enqueue)
+        if not 0 <= resumed_tokens < len(ids):
+            raise InvalidRequestError(
+                f"resumed_tokens={resumed_tokens} must leave at least one of the prompt's {len(ids)} tokens"
+            )
+        head, resumed = ids[: len(ids) - resumed_tokens], ids[len(ids) - resumed_tokens :]
+        computes_prompt = enqueue if computes_prompt is None else computes_prompt
+        ids, images = self._image_inputs(head, multi_modal_data, computes_prompt=computes_prompt)
+        ids = ids + resumed
+        limit = self.config.scheduler.max_model_len
+        if images and len(ids) >= limit:
+            raise InvalidRequestError(
+                f"the prompt has {len(ids)} tokens with its images expanded; max_model_len is {limit}"
+            )
         params = _resolve_params(params, self.config.scheduler.max_model_len - len(ids))
         seq = Sequence(next(self._seq_ids), request_id, ids, params, eos_token_id=self._eos_id())
         seq.mm_placeholders = images
@@ -119,13 +138,7 @@ class RequestAdmission:
             if computes_prompt:
                 self.mm_processor.check_text_only(ids)
             return ids, []
-        ids, images = self.mm_processor.process(ids, multi_modal_data)
-        limit = self.config.scheduler.max_model_len
-        if len(ids) >= limit:
-            raise InvalidRequestError(
-                f"the prompt has {len(ids)} tokens with its images expanded; max_model_len is {limit}"
-            )
-        return ids, images
+        return self.mm_processor.process(ids, multi_modal_data)
 
     def _eos_id(self) -> Optional[int]:
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:

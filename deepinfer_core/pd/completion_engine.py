@@ -145,7 +145,11 @@ class CompletionEngine(LLMEngine):
         return time.time() + (reservation.deadline - now)
 
     def add_local_prefill(
-        self, request_id: str, params: Optional[SamplingParams] = None, prompt_token_ids: Optional[list[int]] = None
+        self,
+        request_id: str,
+        params: Optional[SamplingParams] = None,
+        prompt_token_ids: Optional[list[int]] = None,
+        resumed_tokens: int = 0,
     ) -> Sequence:
         """Conditional disaggregation: prefill a prompt here, its uncached part (past this engine's
         own prefix cache) being at most `PDConfig.local_prefill_tokens` and within one forward of
@@ -162,7 +166,15 @@ class CompletionEngine(LLMEngine):
             raise CapacityError(f"decode engine {self.name} prefills no prompt itself (local_prefill_tokens=0)")
         if params.n != 1:
             raise InvalidRequestError("a decode engine takes one sample per request (n=1); fan out n before prefill")
-        seq = self.add_request(request_id, None, params, prompt_token_ids, enqueue=False)
+        seq = self.add_request(
+            request_id,
+            None,
+            params,
+            prompt_token_ids,
+            enqueue=False,
+            computes_prompt=True,
+            resumed_tokens=resumed_tokens,
+        )
         bm = self.scheduler.block_manager
         uncached = len(seq) - bm.count_cached_prefix(seq) * bm.block_size
         room = bm.can_allocate(seq) and self.scheduler.state_slots.can_allocate()

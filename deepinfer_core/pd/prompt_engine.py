@@ -124,9 +124,11 @@ class PromptEngine(LLMEngine):
         prompt_token_ids: Optional[list[int]] = None,
         prompt: Optional[str] = None,
         multi_modal_data: Optional[dict] = None,
+        resumed_tokens: int = 0,
     ) -> Sequence:
         """Admit a request whose KV goes to `target` (a CE's reservation). With images, the target
         is for the prompt with its placeholders expanded (what the router reserves).
+        `resumed_tokens`: as `add_request`'s (a migrated sample's output so far, at the prompt's end).
 
         Raises:
             KVTargetRejected: the target's KV layout differs, its lease has expired, or it reserves
@@ -145,7 +147,14 @@ class PromptEngine(LLMEngine):
             raise KVTargetRejected(f"the KV reservation for {request_id!r} has expired")
         first = params.clone()
         first.max_tokens, first.min_tokens = 1, min(params.min_tokens, 1)
-        seq = self.add_request(request_id, prompt, first, prompt_token_ids, multi_modal_data=multi_modal_data)
+        seq = self.add_request(
+            request_id,
+            prompt,
+            first,
+            prompt_token_ids,
+            multi_modal_data=multi_modal_data,
+            resumed_tokens=resumed_tokens,
+        )
         needed = self.scheduler.block_manager.blocks_needed(len(seq))
         if len(target.block_ids) < needed or target.num_prompt_tokens != len(seq):
             self.abort_request(request_id)

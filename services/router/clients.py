@@ -62,8 +62,10 @@ class WorkerClient(Protocol):
         kv_target: KVTarget,
         timeout: float,
         images: Sequence[Union[bytes, EmbeddingHandle]] = (),
+        resumed_tokens: int = 0,
     ) -> PrefillResult:
-        """`images`: one per image of the prompt: its encoded file, or where a vision encoder parked its embeddings."""
+        """`images`: one per image of the prompt: its encoded file, or where a vision encoder parked its embeddings.
+        `resumed_tokens`: the prompt's last this many tokens are a migrated sample's output so far."""
         ...
 
     def stream(self, request_id: str, timeout: float) -> AsyncIterator[SampleDelta]:
@@ -71,7 +73,13 @@ class WorkerClient(Protocol):
         ...
 
     def generate(
-        self, request_id: str, prompt: list[int], params: SamplingParams, timeout: float, images: Sequence[bytes] = ()
+        self,
+        request_id: str,
+        prompt: list[int],
+        params: SamplingParams,
+        timeout: float,
+        images: Sequence[bytes] = (),
+        resumed_tokens: int = 0,
     ) -> AsyncIterator[SampleDelta]: ...
 
     async def abort(self, request_id: str, prefill: bool, unused: bool = False) -> Optional[bool]:
@@ -151,7 +159,9 @@ class GrpcWorkerClient:
             raise
         return target_from_proto(reply.kv_target)
 
-    async def prefill(self, request_id, prompt, params, kv_target, timeout, images=()) -> PrefillResult:
+    async def prefill(
+        self, request_id, prompt, params, kv_target, timeout, images=(), resumed_tokens=0
+    ) -> PrefillResult:
         req = worker_pb2.PrefillRequest(
             request_id=request_id,
             prompt_token_ids=prompt,
@@ -159,6 +169,7 @@ class GrpcWorkerClient:
             kv_target=target_to_proto(kv_target),
             images=[i for i in images if isinstance(i, bytes)],
             image_embeds=[handle_to_proto(i) for i in images if isinstance(i, EmbeddingHandle)],
+            resumed_tokens=resumed_tokens,
         )
         reply = await called(self._prefill.Prefill, req, self.name, timeout=timeout)
         return prefill_result_from_proto(reply)
@@ -171,11 +182,17 @@ class GrpcWorkerClient:
             )
         return self._relay(request_id, inbox, asyncio.get_running_loop().time() + timeout)
 
-    async def generate(self, request_id, prompt, params, timeout, images=()) -> AsyncIterator[SampleDelta]:
+    async def generate(
+        self, request_id, prompt, params, timeout, images=(), resumed_tokens=0
+    ) -> AsyncIterator[SampleDelta]:
         deadline = asyncio.get_running_loop().time() + timeout
         inbox = await self._open_inbox(request_id, timeout)
         req = worker_pb2.GenerateWork(
-            request_id=request_id, prompt_token_ids=prompt, params=params_to_proto(params), images=list(images)
+            request_id=request_id,
+            prompt_token_ids=prompt,
+            params=params_to_proto(params),
+            images=list(images),
+            resumed_tokens=resumed_tokens,
         )
         if inbox is None:
             async for msg in self._read(lambda: self._decode.Generate(req, timeout=timeout)):
@@ -330,14 +347,16 @@ class LocalWorkerClient:
     async def reserve(self, request_id, prompt, params, lease_s, timeout) -> KVTarget:
         return await self.core.reserve(request_id, prompt, params, lease_s)
 
-    async def prefill(self, request_id, prompt, params, kv_target, timeout, images=()) -> PrefillResult:
-        return await self.core.prefill(request_id, prompt, params, kv_target, images)
+    async def prefill(
+        self, request_id, prompt, params, kv_target, timeout, images=(), resumed_tokens=0
+    ) -> PrefillResult:
+        return await self.core.prefill(request_id, prompt, params, kv_target, images, resumed_tokens=resumed_tokens)
 
     def stream(self, request_id, timeout) -> AsyncIterator[SampleDelta]:
         return self.core.stream(request_id)
 
-    def generate(self, request_id, prompt, params, timeout, images=()) -> AsyncIterator[SampleDelta]:
-        return self.core.generate(request_id, prompt, params, images)
+    def generate(self, request_id, prompt, params, timeout, images=(), resumed_tokens=0) -> AsyncIterator[SampleDelta]:
+        return self.core.generate(request_id, prompt, params, images, resumed_tokens=resumed_tokens)
 
     async def abort(self, request_id, prefill: bool, unused: bool = False) -> Optional[bool]:
         return await (self.core.abort(request_id, unused) if unused else self.core.abort(request_id))

@@ -33,7 +33,7 @@ async def local_prefill(flow, prompt: list[int], params: SamplingParams) -> Opti
     sub_id = flow._sub_id() + "/local"
     flow._hold(ce, flow.kv_tokens, None)
     m.QUEUE_TIME.labels(flow.router.model).observe(time.monotonic() - flow.arrival)
-    stream = ce.client.generate(sub_id, prompt, params, flow.remaining())
+    stream = ce.client.generate(sub_id, prompt, params, flow.remaining(), resumed_tokens=flow.resumed_tokens(prompt))
     try:
         first = await stream.__anext__()
     except ServiceError as e:

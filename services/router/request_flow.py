@@ -121,6 +121,11 @@ class SampleFlow:
             finally:
                 await attempt.aclose()
 
+    def resumed_tokens(self, prompt: list[int]) -> int:
+        """How many of an attempt's prompt tokens are the sample's output so far (0 but after a
+        migration): the engine takes them as plain tokens, whatever ids the model generated."""
+        return len(prompt) - len(self.prompt)
+
     def _sub_id(self, *parts: int) -> str:
         """The sub-request's id on a worker; a migrated sample's attempts are told apart."""
         tail = "".join(f"/{p}" for p in parts)
@@ -138,7 +143,9 @@ class SampleFlow:
         self._hold(worker, self.kv_tokens, "colocated")
         m.QUEUE_TIME.labels(self.router.model).observe(time.monotonic() - self.arrival)
         try:
-            stream = worker.client.generate(sub_id, prompt, params, self.remaining(), self.images)
+            stream = worker.client.generate(
+                sub_id, prompt, params, self.remaining(), self.images, resumed_tokens=self.resumed_tokens(prompt)
+            )
             relay = self._until_broken(worker, sub_id, stream)
         except BaseException:
             self._release(worker, self.kv_tokens)
@@ -276,7 +283,8 @@ class SampleFlow:
         self._hold(pe, len(prompt), "prefill")
         self._handed_out, self._pe = True, pe  # from here the PE may write into the reservation
         try:
-            result = await pe.client.prefill(sub_id, prompt, params, kv_target, timeout, images)
+            resumed = self.resumed_tokens(prompt)
+            result = await pe.client.prefill(sub_id, prompt, params, kv_target, timeout, images, resumed_tokens=resumed)
         except ServiceError as e:  # `_end_reservation` aborts it on the PE (then the CE)
             if e.code not in RETRIED_PREFILL:
                 raise

@@ -101,34 +101,42 @@ class DecodeCore(WorkerCore):
         return await self.host.run(_renew, request_id, lease_s)
 
     async def submit(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, subscriber_id: str, images=()
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        subscriber_id: str,
+        images=(),
+        resumed_tokens: int = 0,
     ) -> None:
         """NORMAL: admit a request whose deltas, from its first token, go to `subscriber_id`. CE: the
         same for a prompt it prefills itself (conditional disaggregation; RESOURCE_EXHAUSTED when its
         uncached part is too long or there is no room: prefill it on a PE instead). `images`: encoded files, one per image of the prompt (a NORMAL engine
-        encodes them in process)."""
+        encodes them in process). `resumed_tokens`: the prompt's tail that is a migrated sample's output so far."""
         self._check_role((EngineType.NORMAL, EngineType.COMPLETION), "Submit")
-        await self._add(request_id, prompt_token_ids, params, self._outbox(subscriber_id), images)
+        await self._add(request_id, prompt_token_ids, params, self._outbox(subscriber_id), images, resumed_tokens)
 
     def stream(self, request_id: str) -> AsyncIterator[SampleDelta]:
         """CE: the deltas after the hand-off's first token; a reader that goes away aborts the request."""
         return self._relay(request_id)
 
     async def generate(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, images=()
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, images=(), resumed_tokens: int = 0
     ) -> AsyncIterator[SampleDelta]:
         """NORMAL (or a CE's local prefill): every delta of the request, from its first token, through its own stream."""
         self._check_role((EngineType.NORMAL, EngineType.COMPLETION), "Generate")
-        await self._add(request_id, prompt_token_ids, params, None, images)
+        await self._add(request_id, prompt_token_ids, params, None, images, resumed_tokens)
         async for delta in self._relay(request_id):
             yield delta
 
-    async def _add(self, request_id, prompt_token_ids, params, outbox: Optional[Outbox], images=()) -> None:
+    async def _add(
+        self, request_id, prompt_token_ids, params, outbox: Optional[Outbox], images=(), resumed_tokens: int = 0
+    ) -> None:
         self._check_new(request_id)
         self.streams.open(request_id, outbox)
         mm = {"image": list(images)} if images else None
         try:
-            await self.host.run(_add, request_id, params, prompt_token_ids, mm)
+            await self.host.run(_add, request_id, params, prompt_token_ids, mm, resumed_tokens)
         except EngineError as e:
             self.streams.close(request_id)
             raise engine_error(e) from None
@@ -200,10 +208,14 @@ def _release_unused(engine, request_id):
     engine.release_unused(request_id)
 
 
-def _add(engine, request_id, params, prompt_token_ids, multi_modal_data=None):
+def _add(engine, request_id, params, prompt_token_ids, multi_modal_data, resumed_tokens):
     if engine.role.prefills_short_prompts:  # a CE: a prompt it prefills itself (conditional disaggregation)
-        engine.add_local_prefill(request_id, params, prompt_token_ids)
+        engine.add_local_prefill(request_id, params, prompt_token_ids, resumed_tokens=resumed_tokens)
     else:
         engine.add_request(
-            request_id, params=params, prompt_token_ids=prompt_token_ids, multi_modal_data=multi_modal_data
+            request_id,
+            params=params,
+            prompt_token_ids=prompt_token_ids,
+            multi_modal_data=multi_modal_data,
+            resumed_tokens=resumed_tokens,
         )

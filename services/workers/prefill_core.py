@@ -47,9 +47,16 @@ class PrefillCore(WorkerCore):
         Abort means this engine will never write into that request's reservation."""
 
     async def prefill(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, kv_target: KVTarget, images=()
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        kv_target: KVTarget,
+        images=(),
+        resumed_tokens: int = 0,
     ) -> PrefillResult:
-        """`images`: one per image of the prompt, its encoded file or its `EmbeddingHandle`."""
+        """`images`: one per image of the prompt, its encoded file or its `EmbeddingHandle`.
+        `resumed_tokens`: the prompt's tail that is a migrated sample's output so far."""
         self.check_accepting()
         if request_id in self._aborted:
             raise ServiceError(ErrorCode.CANCELLED, f"request {request_id!r} was aborted before it arrived")
@@ -61,7 +68,8 @@ class PrefillCore(WorkerCore):
         pending = _Pending(self.loop.create_future(), time.monotonic(), embeds_seconds=embeds_seconds)
         self.pending[request_id] = pending
         try:
-            await self.host.run(_admit, request_id, kv_target, first_token_params(params), prompt_token_ids, mm)
+            first = first_token_params(params)
+            await self.host.run(_admit, request_id, kv_target, first, prompt_token_ids, mm, resumed_tokens)
             return await pending.future
         except EngineError as e:
             self.pending.pop(request_id, None)
@@ -187,5 +195,12 @@ def first_token_params(params: SamplingParams) -> SamplingParams:
     return first
 
 
-def _admit(engine, request_id, kv_target, params, prompt_token_ids, multi_modal_data=None):
-    engine.add_prefill(request_id, kv_target, params, prompt_token_ids, multi_modal_data=multi_modal_data)
+def _admit(engine, request_id, kv_target, params, prompt_token_ids, multi_modal_data, resumed_tokens):
+    engine.add_prefill(
+        request_id,
+        kv_target,
+        params,
+        prompt_token_ids,
+        multi_modal_data=multi_modal_data,
+        resumed_tokens=resumed_tokens,
+    )

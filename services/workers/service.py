@@ -58,7 +58,12 @@ class PrefillService(worker_pb2_grpc.PrefillServicer):
     async def Prefill(self, request, context):
         images = list(request.images) + [handle_from_proto(h) for h in request.image_embeds]
         result = await self.core.prefill(
-            request.request_id, list(request.prompt_token_ids), _params(request), _target(request), images
+            request.request_id,
+            list(request.prompt_token_ids),
+            _params(request),
+            _target(request),
+            images,
+            resumed_tokens=request.resumed_tokens,
         )
         return prefill_result_to_proto(result)
 
@@ -114,7 +119,12 @@ class DecodeService(worker_pb2_grpc.DecodeServicer):
 
     async def _admit(self, work) -> None:
         await self.core.submit(
-            work.request_id, list(work.prompt_token_ids), _params(work), work.subscriber_id, list(work.images)
+            work.request_id,
+            list(work.prompt_token_ids),
+            _params(work),
+            work.subscriber_id,
+            list(work.images),
+            resumed_tokens=work.resumed_tokens,
         )
 
     @handles_errors
@@ -146,7 +156,10 @@ class DecodeService(worker_pb2_grpc.DecodeServicer):
     @handles_errors
     async def Generate(self, request, context):
         ids, images = list(request.prompt_token_ids), list(request.images)
-        async for delta in self.core.generate(request.request_id, ids, _params(request), images):
+        generated = self.core.generate(
+            request.request_id, ids, _params(request), images, resumed_tokens=request.resumed_tokens
+        )
+        async for delta in generated:
             yield delta_to_proto(delta)
 
     @handles_errors

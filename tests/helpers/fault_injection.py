@@ -48,9 +48,9 @@ class FaultyClient(LocalWorkerClient):
         await self._pause("reserve")
         return await super().reserve(request_id, prompt, params, lease_s, timeout)
 
-    async def prefill(self, request_id, prompt, params, kv_target, timeout, images=()):
+    async def prefill(self, request_id, prompt, params, kv_target, timeout, images=(), resumed_tokens=0):
         await self._pause("prefill")
-        return await super().prefill(request_id, prompt, params, kv_target, timeout, images)
+        return await super().prefill(request_id, prompt, params, kv_target, timeout, images, resumed_tokens)
 
     async def stream(self, request_id, timeout):
         await self._pause("stream")

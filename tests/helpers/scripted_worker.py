@@ -42,7 +42,7 @@ class ScriptedWorker:
             "scripted", POOL_COLOCATED, 0, "local", max_model_len=4096, block_size=16, num_blocks=big, max_num_seqs=big
         )
 
-    async def generate(self, request_id, prompt, params, timeout, images=()):
+    async def generate(self, request_id, prompt, params, timeout, images=(), resumed_tokens=0):
         differ, tokens, text = OutputDiffer(), [], ""
         max_tokens = params.max_tokens or _UP_TO_THE_CONTEXT
         for j in range(max_tokens):

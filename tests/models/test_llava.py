@@ -146,6 +146,40 @@ def test_generation_with_one_image_equals_transformers(checkpoint, llm) -> None:
     assert out.outputs[0].token_ids == _hf_greedy(hf, prompt, _hf_pixels(processor, png), n)
 
 
+def _run_resumed(llm, request_id: str, prompt: list[int], resumed_tokens: int, images=None):
+    """A migrated sample's continuation: `prompt` ends in `resumed_tokens` tokens of output so far."""
+    mm = {"image": images} if images else None
+    llm.engine.add_request(
+        request_id, params=_greedy(), prompt_token_ids=prompt, multi_modal_data=mm, resumed_tokens=resumed_tokens
+    )
+    done = None
+    while llm.engine.has_unfinished_requests():
+        done = next((o for o in llm.engine.step() if o.request_id == request_id and o.finished), done)
+    return done
+
+
+def test_a_continuation_takes_its_resumed_output_as_plain_tokens(checkpoint, llm) -> None:
+    """A model may generate the placeholder id. A migrated sample's prompt then holds it in its
+    resumed output: a plain token there, embedded as the text model does, with no image wanted."""
+    _, hf, processor = checkpoint
+    text = [5, 6, 7, IMAGE_TOKEN_ID, 9]
+    with pytest.raises(ValueError, match="but no images were given"):  # in the prompt proper: refused
+        llm.generate([{"prompt_token_ids": text}], _greedy())
+    out = _run_resumed(llm, "resumed-text", text, resumed_tokens=2)
+    assert out.prompt_token_ids == text
+    assert out.outputs[0].token_ids == _hf_greedy(hf, text, None, tokens_per_image=1)  # no expansion
+
+    png = make_png(seed=4)
+    with_image = [5, IMAGE_TOKEN_ID, 7, IMAGE_TOKEN_ID, 9]  # one image; the second id is output so far
+    out = _run_resumed(llm, "resumed-image", with_image, resumed_tokens=2, images=png)
+    n = llm.engine.mm_processor.tokens_per_image
+    assert out.prompt_token_ids == [5] + [IMAGE_TOKEN_ID] * n + [7, IMAGE_TOKEN_ID, 9]
+    assert len(out.outputs[0].token_ids) == MAX_NEW
+    with pytest.raises(ValueError, match="resumed_tokens=5 must leave at least one"):
+        llm.engine.add_request("too-many", params=_greedy(), prompt_token_ids=text, resumed_tokens=5)
+    assert not llm.engine.has_unfinished_requests()
+
+
 def test_mixed_batch_of_images_and_text_equals_transformers(checkpoint) -> None:
     """Two prompts with the same tokens but different images (they must not share KV blocks
     through the prefix cache), a two-image prompt and a text-only prompt, in one batch, with

@@ -128,7 +128,9 @@ class Stages:
         await self._wait("reserve", self.reserve_delay_s)
         return KVTarget(request_id, "ce", b"", 0, 1, 0, "DRAM", [0], "f", len(prompt))
 
-    async def prefill(self, request_id, prompt, params, kv_target, timeout, images=()) -> PrefillResult:
+    async def prefill(
+        self, request_id, prompt, params, kv_target, timeout, images=(), resumed_tokens=0
+    ) -> PrefillResult:
         if self.stuck == "dead":  # the PE's process is gone before its READ: the call fails
             self.waiting.set()
             raise ServiceError(ErrorCode.UNAVAILABLE, "prefill worker pe-0 is unreachable")

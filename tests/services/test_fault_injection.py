@@ -228,3 +228,22 @@ def test_a_break_inside_a_run_of_partial_characters_continues_with_the_same_toke
     got, view = _run(engines, faults, body)
     assert faults.broken == 1 and got == (want.token_ids, want.text, "length")
     _assert_at_rest(view)
+
+
+def test_a_migrated_stream_whose_output_holds_the_image_placeholder_id_continues_identically(engines):
+    """The built-in model is multimodal, and its greedy output for this prompt holds the image
+    placeholder id (its 6th token). The continuation's prompt then holds it too, with no image: the
+    engine takes the resumed output as plain tokens instead of refusing a placeholder without an image."""
+    prompt = [228, 383, 816, 177, 343, 439, 838]
+    placeholder = engines[0].mm_processor.image_token_id
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    want = LLM(**ARGS).generate([{"prompt_token_ids": prompt}], params)[0].outputs[0]
+    assert want.token_ids[5] == placeholder  # the case
+    faults = Faults(break_after={"ce-0": 8})
+
+    async def body(router, cores):
+        return await asyncio.gather(*(_view(router, f"img{i}", prompt, params) for i in range(2)))
+
+    got, view = _run(engines, faults, body)
+    assert faults.broken >= 1 and got == [(want.token_ids, want.text, "length")] * 2
+    _assert_at_rest(view)

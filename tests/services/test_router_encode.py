@@ -55,7 +55,9 @@ class Fakes:
     async def reserve(self, request_id, prompt, params, lease_s, timeout) -> KVTarget:
         return KVTarget(request_id, "ce", b"", 0, 1, 0, "DRAM", [0], "f", len(prompt))
 
-    async def prefill(self, request_id, prompt, params, kv_target, timeout, images=()) -> PrefillResult:
+    async def prefill(
+        self, request_id, prompt, params, kv_target, timeout, images=(), resumed_tokens=0
+    ) -> PrefillResult:
         self.prefill_images.append(list(images))
         if len(self.prefill_images) <= self.lost_reads:
             raise ServiceError(ErrorCode.FAILED_PRECONDITION, f"pe-0: {EMBEDDINGS_UNAVAILABLE}: lease expired")

@@ -25,7 +25,7 @@ class FakeWorker:
     async def reserve(self, request_id, prompt, params, lease_s, timeout) -> KVTarget:
         return KVTarget(request_id, "ce", b"", 0, 1, 0, "DRAM", [0], "f", len(prompt))
 
-    async def prefill(self, request_id, prompt, params, kv_target, timeout, images=()):
+    async def prefill(self, request_id, prompt, params, kv_target, timeout, images=(), resumed_tokens=0):
         self.prefills += 1
         raise ServiceError(self.code, f"refused with {self.code.name}")
 

@@ -69,6 +69,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument("--step-ms", type=float, default=20.0, help="token source step period")
     p.add_argument("--tokens-per-step", type=int, default=1)
+    p.add_argument("--stream-interval", type=int, default=1, help="the workers' tokens between a request's deltas")
     p.add_argument("--max-tokens", type=int, default=64, help="output tokens per request")
     p.add_argument("--prompt-len", type=int, default=16)
     p.add_argument("--warmup-s", type=float, default=1.0)
@@ -94,6 +95,7 @@ def run(args: argparse.Namespace) -> dict:
     options = LoadOptions(
         step_ms=args.step_ms,
         tokens_per_step=args.tokens_per_step,
+        stream_interval=args.stream_interval,
         max_tokens=args.max_tokens,
         prompt_len=args.prompt_len,
         warmup_s=args.warmup_s,
@@ -138,7 +140,8 @@ def main(argv=None) -> int:
     print(
         f"\nService layer, token source ({mode}, {args.workers} worker(s), {args.api_workers} API process(es), "
         f"step {args.step_ms:g} ms, "
-        f"{args.tokens_per_step} token(s)/step, {args.max_tokens} tokens/request), "
+        f"{args.tokens_per_step} token(s)/step, {args.max_tokens} tokens/request, "
+        f"stream interval {args.stream_interval}), "
         f"{platform.machine()}, {os.cpu_count()} CPUs, {when}; window {args.window_s:g} s after {args.warmup_s:g} s\n"
     )
     print("\n".join(report.level_table(results["levels"])))

@@ -24,6 +24,8 @@ _API = "api-process-"
 class LoadOptions:
     step_ms: float = 20.0
     tokens_per_step: int = 1
+    stream_interval: int = 1
+    """The workers' `--stream-interval` (tokens between a request's deltas)."""
     max_tokens: int = 64
     prompt_len: int = 16
     warmup_s: float = 1.0
@@ -64,6 +66,7 @@ class Cluster:
         args = ["--router", self.router_address, f"--cluster-token={self.cluster_token}"]  # a token may start with "-"
         args += ["--worker-id", worker_id, "--pool", pool]
         args += ["--step-ms", str(o.step_ms), "--tokens-per-step", str(o.tokens_per_step)]
+        args += ["--stream-interval", str(o.stream_interval)]
         return self.children.start(worker_id, "benchmarks.service_layer_worker", args)
 
     @property

@@ -47,7 +47,14 @@ def start_server(args: argparse.Namespace, engine: TokenSourceEngine):
     from services.workers.worker_server import WorkerServer
 
     pool = {"colocated": POOL_COLOCATED, "prefill": POOL_PREFILL, "decode": POOL_DECODE}[args.pool]
-    spec = WorkerSpec(args.worker_id, pool, router_address=args.router, cluster_token=args.cluster_token, metrics=False)
+    spec = WorkerSpec(
+        args.worker_id,
+        pool,
+        router_address=args.router,
+        cluster_token=args.cluster_token,
+        metrics=False,
+        stream_interval=args.stream_interval,
+    )
     server = WorkerServer(spec, engine=engine)
     server.start(timeout_s=60.0)
     from services.common.gc_tuning import freeze_startup_heap
@@ -84,6 +91,7 @@ def main() -> None:
     parser.add_argument("--pool", choices=sorted(POOLS), default="colocated")
     parser.add_argument("--step-ms", type=float, default=20.0, help="engine step period")
     parser.add_argument("--tokens-per-step", type=int, default=1, help="tokens each running request gets per step")
+    parser.add_argument("--stream-interval", type=int, default=1, help="tokens between a request's deltas")
     parser.add_argument("--max-batch", type=int, default=0, help="requests advanced per step (0: max-num-seqs)")
     parser.add_argument("--max-num-seqs", type=int, default=4096)
     parser.add_argument("--max-model-len", type=int, default=4096)

@@ -156,6 +156,14 @@ def _add_cluster_flags(p) -> None:
         "(0 = end such streams with an error; default: %(default)s)",
     )
     p.add_argument(
+        "--stream-interval",
+        type=int,
+        default=1,
+        help="decode workers send a request's new tokens every this many tokens (its first and last at once): "
+        "fewer, larger chunks and less CPU per token through router and gateway, at more latency between "
+        "chunks (default: %(default)s)",
+    )
+    p.add_argument(
         "--local-prefill-tokens",
         type=int,
         default=DEFAULT_LOCAL_PREFILL_TOKENS,
@@ -250,6 +258,7 @@ def config_from_args(args: argparse.Namespace):
         pools_config=args.pools_config,
         cluster_host=args.cluster_host,
         migration_limit=args.migration_limit,
+        stream_interval=args.stream_interval,
         log_level=args.log_level.upper(),
         media=_media_limits(args),
         decode_ep=args.decode_ep,
@@ -283,6 +292,8 @@ def _engine_settings(args: argparse.Namespace):
 def _check_sizes(args: argparse.Namespace) -> None:
     if args.migration_limit < 0:
         raise ValueError("--migration-limit must be >= 0")
+    if args.stream_interval < 1:
+        raise ValueError("--stream-interval must be at least 1")
     if args.api_workers < 1:
         raise ValueError("--api-workers must be at least 1")
     for name in ("prefill", "decode"):

@@ -47,6 +47,8 @@ class PoolSpec:
     log_level: str = "WARNING"
     encoder: EncoderConfig = EncoderConfig()
     """Vision encoders' batching, pool and cache."""
+    stream_interval: int = 1
+    """Tokens between a request's deltas on decode workers (`WorkerSpec.stream_interval`)."""
     placements: dict[int, PoolPlacement] = field(default_factory=dict)
     """Per pool: the custom Ray resource and GPUs of one engine (a pool not listed: `gpus_per_worker`)."""
     placement_grace_s: float = 10.0
@@ -222,6 +224,7 @@ class ClusterController:
             torch_threads=s.torch_threads,
             log_level=s.log_level,
             encoder=s.encoder,
+            stream_interval=s.stream_interval,
         )
 
     async def _placed(self, worker_id: str, pool: int, placement: PoolPlacement, handle, deadline: float) -> None:

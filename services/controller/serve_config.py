@@ -78,6 +78,9 @@ class HeadConfig:
     """Where the router and the workers serve each other; "auto" = this node's IP."""
     migration_limit: int = DEFAULT_MIGRATION_LIMIT
     """Times a request may move to a healthy prefill/decode pair when its decode engine dies mid-stream."""
+    stream_interval: int = 1
+    """Decode workers send a request's new tokens every this many tokens (its first and its end at
+    once): fewer, larger stream chunks, less CPU per token on every hop, more time between chunks."""
     log_level: str = "WARNING"
     encoder_config: EncoderConfig = EncoderConfig()
     """Each vision encoder's batching, pool, leases and cache."""
@@ -182,4 +185,5 @@ class HeadConfig:
             cluster_token=self.cluster_token,
             reflection=self.internal_reflection,
             ep_sizes=self.ep_sizes,
+            stream_interval=self.stream_interval,
         )

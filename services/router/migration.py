@@ -11,6 +11,8 @@ function of the tokens so far). Seeded sampling stays reproducible for a given m
 is not the undisturbed run's continuation: the new engine's generator starts from the seed at the
 first continued token, and frequency/presence penalties now count the earlier output as prompt. A
 stop string that would span the break is not seen by the new engine (its output text starts there).
+Workers with a stream interval over 1 (`--stream-interval`) send one-token deltas only at a sample's
+first token, so a migration there starts after the first token and makes the rest again.
 """
 
 from __future__ import annotations

@@ -26,9 +26,9 @@ from services.workers.streams import Outbox, OutputStreams
 
 
 class DecodeCore(WorkerCore):
-    def __init__(self, engine, worker_id: str = "", loop=None):
+    def __init__(self, engine, worker_id: str = "", loop=None, stream_interval: int = 1):
         super().__init__(engine, worker_id, loop)
-        self.streams = OutputStreams()
+        self.streams = OutputStreams(stream_interval)
         self.subscribers: dict[str, Outbox] = {}
         self._num_relays = 0
         self._ending = False

@@ -32,6 +32,12 @@ class WorkerRole:
     service_name: str
     """The servicer's full name (for reflection)."""
 
+    def make_core(self, engine, spec):
+        """The role's core over `engine`; a streaming one (CE, NORMAL) sends deltas at the spec's interval."""
+        if self.core is DecodeCore:
+            return DecodeCore(engine, spec.worker_id, stream_interval=spec.stream_interval)
+        return self.core(engine, spec.worker_id)
+
 
 WORKER_ROLES = {
     POOL_ENCODER: WorkerRole(

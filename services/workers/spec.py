@@ -97,3 +97,6 @@ class WorkerSpec:
     """A vision encoder's batching, pool, lease and cache (the encoder pool only)."""
     instance: Optional[InstanceRank] = None
     """Set on a rank of an expert-parallel instance; None: a single-process engine."""
+    stream_interval: int = 1
+    """A streaming worker (CE, NORMAL) sends a request's delta every this many tokens (the first
+    and the last at once): `OutputStreams.stream_interval`."""

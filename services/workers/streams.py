@@ -77,7 +77,13 @@ class _Request:
 
 
 class OutputStreams:
-    def __init__(self):
+    def __init__(self, stream_interval: int = 1):
+        if stream_interval < 1:
+            raise ValueError(f"stream_interval must be >= 1, got {stream_interval}")
+        self.stream_interval = stream_interval
+        """Tokens a request's delta waits for (its first token and its end go at once): more than 1
+        sends fewer, larger deltas, which saves every hop's per-message cost at the price of
+        latency between them (vLLM's and SGLang's `--stream-interval`)."""
         self._requests: dict[str, _Request] = {}
         self._own: dict[str, Outbox] = {}
         """Requests read through their own stream, until that stream ends (a request may finish
@@ -101,6 +107,7 @@ class OutputStreams:
     def push(self, outputs: list[RequestOutput]) -> None:
         """One engine turn's outputs: each changed request's delta goes to its outbox."""
         requests = self._requests
+        interval = self.stream_interval
         for out in outputs:
             request = requests.get(out.request_id)
             if request is None:
@@ -109,6 +116,9 @@ class OutputStreams:
             differ = request.differ
             if differ is None:  # the hand-off: only its end, if the first token ended the request
                 differ = request.differ = OutputDiffer.after(sample)
+            elif interval > 1 and differ.num_tokens and not out.finished:
+                if len(sample.token_ids) - differ.num_tokens < interval:
+                    continue  # fewer than `interval` tokens since the last delta (the first went at once)
             delta = differ.diff(sample, out.num_cached_tokens)
             if delta is not None:
                 request.outbox.put(out.request_id, delta)

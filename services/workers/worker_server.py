@@ -118,7 +118,7 @@ class WorkerServer:
         spec = self.spec
         # before the engine thread starts
         info = worker_info(spec, engine, "") if self.role.engine_type is not None else encoder_info(spec, "")
-        self.core = self.role.core(engine, spec.worker_id)
+        self.core = self.role.make_core(engine, spec)
         self.core.start()
         self._server = new_server(cluster_token=spec.cluster_token)
         services = add_services(self._server, self.role, self.core)

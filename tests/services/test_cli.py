@@ -1,5 +1,6 @@
 """The `deepinfer` command line, run as a real subprocess."""
 
+import asyncio
 import subprocess
 import sys
 
@@ -93,3 +94,29 @@ def test_serve_passes_the_balancer_settings_to_every_engine(monkeypatch):
     assert (eplb.enabled, eplb.num_redundant_experts, eplb.rearrange_interval) == (True, 1, 500)
     assert config.engine_args.to_engine_args(EngineType.COMPLETION).eplb == eplb
     assert config.engine_args.to_engine_args(EngineType.COMPLETION).moe_dispatch == "padded"
+
+
+def test_serve_passes_the_stream_interval_to_every_decode_worker(monkeypatch):
+    from types import SimpleNamespace
+
+    import pytest
+
+    from services.common.workers import POOL_DECODE
+    from services.controller.controller import ClusterController
+    from services.workers.roles import worker_role
+
+    config = _serve_config(["--stream-interval", "4"], monkeypatch, {})
+    assert config.stream_interval == 4 and config.pool_spec().stream_interval == 4
+    spec = ClusterController._worker_spec(
+        SimpleNamespace(spec=config.pool_spec(), router_address=""), "d-0", POOL_DECODE
+    )
+    assert spec.stream_interval == 4
+    from benchmarks.token_source import TokenSourceEngine, token_source_config
+
+    async def streams_of_a_core():  # a core takes its event loop when it is made
+        return worker_role(spec.pool).make_core(TokenSourceEngine(token_source_config()), spec).streams
+
+    assert asyncio.run(streams_of_a_core()).stream_interval == 4
+    assert _serve_config([], monkeypatch, {}).pool_spec().stream_interval == 1
+    with pytest.raises(ValueError, match="--stream-interval must be at least 1"):
+        _serve_config(["--stream-interval", "0"], monkeypatch, {})

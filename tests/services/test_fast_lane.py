@@ -224,3 +224,24 @@ def test_an_asgi_test_client_gets_every_event_through_the_chain(head):
     events = [e + b"\n\n" for e in body.split(b"\n\n") if e]
     objs = [_check_format(e) for e in _events(events)[:-1]]
     assert "".join(o["choices"][0]["text"] for o in objs) == "".join(WORDS[t] for t in expected_tokens([6], 20))
+
+
+def test_a_stream_interval_sends_fewer_larger_events_with_the_same_content(head):
+    """`--stream-interval 4`: the worker sends a request's tokens four at a time (its first and its
+    end at once). Each choice carries the same text, finish, logprobs and usage as one token an
+    event, in about a quarter of the events, through the lane and through the chain (n > 1, logprobs)."""
+    reference = _concurrently(head, CASES)
+    streams = head.worker.core.streams
+    streams.stream_interval = 4
+    try:
+        taken = COUNTS.taken
+        got = _concurrently(head, CASES)
+        assert COUNTS.taken > taken, "the lane never engaged"
+    finally:
+        streams.stream_interval = 1
+    for case, mine, theirs in zip(CASES, got, reference):
+        mine, theirs = _by_choice(mine), _by_choice(theirs)
+        assert _content(mine) == _content(theirs), case
+        for index in mine:
+            if index is not None:  # the first token, then 4 a time (a stop string's holdback may add one)
+                assert len(mine[index]) <= 2 + -(-(case["tokens"] - 1) // 4), (case, len(mine[index]))

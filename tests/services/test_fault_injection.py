@@ -247,3 +247,25 @@ def test_a_migrated_stream_whose_output_holds_the_image_placeholder_id_continues
     got, view = _run(engines, faults, body)
     assert faults.broken >= 1 and got == [(want.token_ids, want.text, "length")] * 2
     _assert_at_rest(view)
+
+
+def test_streams_sent_four_tokens_a_delta_migrate_token_identically(engines):
+    """With a stream interval of 4 (`--stream-interval`), a break leaves no one-token delta after the
+    first: the continuation starts after the first token, makes the rest again, and the client is
+    sent each token once."""
+    want = engines[3]
+    faults = Faults(break_after={"ce-0": 2})
+
+    async def body(router, cores):
+        for wid in ("ce-0", "ce-1"):
+            cores[wid].streams.stream_interval = 4
+        try:
+            return await asyncio.gather(*(_view(router, f"i{i}", p, GREEDY) for i, p in enumerate(PROMPTS)))
+        finally:
+            for wid in ("ce-0", "ce-1"):
+                cores[wid].streams.stream_interval = 1
+
+    got, view = _run(engines, faults, body)
+    assert got == [(w.token_ids, w.text, "length") for w in want]
+    assert faults.broken >= 1
+    _assert_at_rest(view)

@@ -86,3 +86,45 @@ def test_an_idle_subscription_sends_empty_batches_and_ends_when_closed():
 
     first, rest = asyncio.run(run())
     assert first == [] and rest == []
+
+
+def test_a_stream_interval_sends_the_first_token_at_once_then_every_n_tokens_and_the_end():
+    tokens, text = [11, 12, 13, 14, 15, 16, 17, 18], "abcdefgh"
+
+    async def run(interval: int, finish_at: int):
+        streams, sub = OutputStreams(stream_interval=interval), Outbox("router-a/5")
+        streams.open("r", sub)
+        streams.open("ce", sub, after_handoff=True)
+        for n in range(1, finish_at + 1):
+            finish = "length" if n == finish_at else None
+            streams.push([_out("r", tokens[:n], text[:n], finish), _out("ce", tokens[:n], text[:n], finish)])
+        before_abort = await _next_batch(sub)
+        streams.open("cut", sub)
+        for n in range(1, 4):  # an abort says where the client's stream stopped: what was sent
+            streams.push([_out("cut", tokens[:n], text[:n])])
+        streams.close("cut")
+        return before_abort, await _next_batch(sub)
+
+    got, cut = asyncio.run(run(3, 8))
+    by_request = {rid: [(d.token_offset, d.token_ids, d.text, d.finish_reason) for r, d in got if r == rid]
+                  for rid in ("r", "ce")}  # fmt: skip
+    assert by_request["r"] == [
+        (0, [11], "a", None),  # the first token at once
+        (1, [12, 13, 14], "bcd", None),
+        (4, [15, 16, 17], "efg", None),
+        (7, [18], "h", "length"),  # the end at once
+    ]
+    assert by_request["ce"] == [
+        (1, [12, 13, 14], "bcd", None),
+        (4, [15, 16, 17], "efg", None),
+        (7, [18], "h", "length"),
+    ]
+    assert [(d.token_offset, d.token_ids, d.finish_reason) for _, d in cut] == [(0, [11], None), (1, [], "abort")]
+    one, _ = asyncio.run(run(1, 3))
+    assert [len(d.token_ids) for r, d in one if r == "r"] == [1, 1, 1]
+    try:
+        OutputStreams(stream_interval=0)
+    except ValueError as e:
+        assert "stream_interval must be >= 1" in str(e)
+    else:
+        raise AssertionError("stream_interval=0 was taken")

@@ -168,11 +168,22 @@ class SampleAssembler:
             self.tokens[d.token_offset :] = d.token_ids
             lps = d.logprobs if d.logprobs is not None else [None] * len(d.token_ids)
             self.logprobs[d.token_offset :] = lps
-        if d.text_offset <= len(self.text):
+        if d.text_offset == len(self.text):
+            self._append_text(d.text)
+        elif d.text_offset < len(self.text):
             self.text = self.text[: d.text_offset] + d.text
         self.num_cached_tokens = max(self.num_cached_tokens, d.num_cached_tokens)
         if d.finish_reason is not None:
             self.finish_reason, self.stop_reason, self.error = d.finish_reason, d.stop_reason, d.error
+
+    def _append_text(self, new: str) -> None:
+        """`self.text += new` with the attribute's reference dropped first: the string then has one
+        reference, so CPython grows it in place (amortized) instead of copying all the text before
+        it for every token, which costs as much as the output is long."""
+        if new:
+            text, self.text = self.text, ""
+            text += new
+            self.text = text
 
     def take(self) -> Optional[SampleDelta]:
         """What the client has not seen yet; None when there is nothing new."""
@@ -218,7 +229,7 @@ class SampleAssembler:
             return None
         self.tokens += d.token_ids
         self.logprobs += d.logprobs if d.logprobs is not None else [None] * len(d.token_ids)
-        self.text += d.text
+        self._append_text(d.text)
         self.sent_tokens, self.sent_chars, self.done = len(self.tokens), len(self.text), finished
         if finished:
             self.finish_reason, self.stop_reason, self.error = d.finish_reason, d.stop_reason, d.error

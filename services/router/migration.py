@@ -21,7 +21,7 @@ import dataclasses
 from typing import Optional
 
 from deepinfer_core.sampling_params import SamplingParams
-from services.common.deltas import SampleAssembler, SampleDelta
+from services.common.deltas import SampleDelta
 from services.common.errors import ErrorCode, ServiceError
 
 BROKEN_CODES = frozenset({ErrorCode.UNAVAILABLE, ErrorCode.INTERNAL, ErrorCode.CANCELLED})
@@ -64,7 +64,10 @@ class SampleProgress:
     def __init__(self, prompt: list[int], params: SamplingParams):
         self.prompt = prompt
         self.params = params
-        self._seen = SampleAssembler(0)
+        self._tokens: list[int] = []
+        """The sample's tokens the client has (a continuation's prompt ends with some of them)."""
+        self._num_chars = 0
+        """The length of the sample's text the client has: the text itself is not needed here."""
         self._base_tokens = 0
         self._base_chars = 0
         """Where the current attempt's output starts in the sample's."""
@@ -74,7 +77,7 @@ class SampleProgress:
 
     @property
     def num_tokens(self) -> int:
-        return len(self._seen.tokens)
+        return len(self._tokens)
 
     def place(self, d: SampleDelta) -> SampleDelta:
         """The current attempt's delta as a delta of the whole sample (recorded as seen)."""
@@ -82,9 +85,12 @@ class SampleProgress:
             d = dataclasses.replace(
                 d, token_offset=d.token_offset + self._base_tokens, text_offset=d.text_offset + self._base_chars
             )
-        self._seen.apply(d)
+        if d.token_offset <= len(self._tokens):  # as `SampleAssembler.apply` splices them
+            self._tokens[d.token_offset :] = d.token_ids
+        if d.text_offset <= self._num_chars:
+            self._num_chars = d.text_offset + len(d.text)
         if len(d.token_ids) == 1 and d.text and not d.text.endswith("\ufffd"):
-            self._clean = (len(self._seen.tokens), len(self._seen.text))
+            self._clean = (len(self._tokens), self._num_chars)
         return d
 
     def strip_failure(self, d: SampleDelta) -> Optional[SampleDelta]:
@@ -110,4 +116,4 @@ class SampleProgress:
             p.max_tokens = max(1, p.max_tokens - n)
         p.min_tokens = max(0, p.min_tokens - n)
         p.prompt_logprobs = None  # reported once, by the first attempt
-        return self.prompt + self._seen.tokens[:n], p
+        return self.prompt + self._tokens[:n], p

@@ -155,3 +155,16 @@ def test_the_smallest_run_delivers_exactly_what_the_sources_emitted(tmp_path):
         assert all(lv["cpu_us_per_token"][name] > 0 for name in ("head", "w0", "clients"))
     overhead = result["overhead"]
     assert overhead["text_exact"] and overhead["served_ms"] > overhead["in_process_ms"] > 0
+
+
+def test_the_router_assembly_benchmark_runs_what_the_router_runs(monkeypatch):
+    """`benchmarks/router_assembly.py` times `SampleProgress.place` then `SampleAssembler.push`; the
+    deltas it feeds come out whole (with a holdback, all but the held characters)."""
+    from benchmarks import router_assembly
+    from services.common.deltas import SampleAssembler
+
+    pushed: list = []
+    real = SampleAssembler.push
+    monkeypatch.setattr(SampleAssembler, "push", lambda self, d: pushed.append(real(self, d)) or pushed[-1])
+    assert router_assembly.us_per_token(50, holdback=4) > 0
+    assert len(pushed) == 50 and "".join(d.text for d in pushed) == ("abc " * 50)[:-4]

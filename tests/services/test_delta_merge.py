@@ -127,3 +127,27 @@ def test_an_inbox_hands_out_what_is_queued_before_its_error_and_expires_on_its_d
 
     error = asyncio.run(asyncio.wait_for(expired(), 5))
     assert error.code is ErrorCode.DEADLINE_EXCEEDED and "worker w" in error.message
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_the_assembler_s_text_grows_in_place_and_is_handed_out_as_a_plain_string_s_slices(seed):
+    """The assembler appends a delta's text at the end in place (no copy of all the text before it)
+    and cuts it back when a delta moves the text back; what it holds and what `take` and `push`
+    hand out equal a plain string's slices, stop-string holdback included."""
+    rng = random.Random(seed)
+    holdback = rng.choice([0, 0, 2, 5])
+    asm, text, sent, client, cut_sent_text = SampleAssembler(0, holdback), "", 0, "", False
+    for _ in range(60):
+        offset = len(text) if rng.random() < 0.8 else rng.randrange(len(text) + 1)  # mostly at the end
+        piece = "".join(rng.choice("ab\u00e9\u4e2d") for _ in range(rng.randrange(4)))
+        d = SampleDelta(token_offset=len(asm.tokens), token_ids=[1], text_offset=offset, text=piece)
+        text = text[:offset] + piece
+        cut_sent_text |= offset < sent
+        got = asm.push(d) if rng.random() < 0.5 else (asm.apply(d), asm.take())[1]
+        limit = max(sent, len(text) - holdback)
+        assert got.text == (text[sent:limit] if limit > sent else "") and asm.text == text
+        client = client[: got.text_offset] + got.text
+        sent = limit
+    end = asm.push(SampleDelta(token_offset=len(asm.tokens), text_offset=len(text), finish_reason="length"))
+    client = client[: end.text_offset] + end.text
+    assert asm.text == text and (cut_sent_text or client == text)

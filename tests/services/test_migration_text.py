@@ -13,7 +13,7 @@ from deepinfer_core.builtin import make_tokenizer
 from deepinfer_core.detokenizer import IncrementalDetokenizer
 from deepinfer_core.sampling_params import SamplingParams
 from deepinfer_core.tokenizer import Tokenizer, load_tokenizer
-from services.common.deltas import SampleDelta
+from services.common.deltas import SampleAssembler, SampleDelta
 from services.router.migration import SampleProgress
 
 TINY_DIR = Path(make_tokenizer.__file__).parent / "tiny"
@@ -24,26 +24,29 @@ def tok() -> Tokenizer:
     return load_tokenizer(TINY_DIR)
 
 
-def _attempt(tok: Tokenizer, progress: SampleProgress, prompt: list[int], ids: list[int], finish: bool) -> None:
-    """One engine's stream of `ids` after `prompt`, one token a step, each delta placed by `progress`."""
+def _attempt(tok, progress: SampleProgress, client: SampleAssembler, prompt, ids: list[int], finish: bool) -> None:
+    """One engine's stream of `ids` after `prompt`, one token a step, each delta placed by `progress`
+    and applied to what the client holds (`client`), as the router's assembler does."""
     detok = IncrementalDetokenizer(tok, prompt)
     chars = 0
     for i, token in enumerate(ids):
         text = detok.add_tokens([token])
         if finish and i == len(ids) - 1:
             text += detok.flush()
-        progress.place(SampleDelta(0, i, [token], chars, text))
+        client.apply(progress.place(SampleDelta(0, i, [token], chars, text)))
         chars += len(text)
 
 
 def _migrated_text(tok: Tokenizer, prompt: list[int], ids: list[int], killed_after: int) -> str:
     progress = SampleProgress(prompt, SamplingParams(max_tokens=len(ids), ignore_eos=True))
-    _attempt(tok, progress, prompt, ids[:killed_after], finish=False)
+    client = SampleAssembler(0)
+    _attempt(tok, progress, client, prompt, ids[:killed_after], finish=False)
     new_prompt, _ = progress.continuation()
     n = len(new_prompt) - len(prompt)
     assert new_prompt == prompt + ids[:n]  # made again from the clean point on
-    _attempt(tok, progress, new_prompt, ids[n:], finish=True)
-    return progress._seen.text
+    _attempt(tok, progress, client, new_prompt, ids[n:], finish=True)
+    assert progress.num_tokens == len(ids) and client.tokens == ids
+    return client.text
 
 
 def test_a_stream_killed_at_any_token_continues_with_the_undisturbed_text(tok: Tokenizer) -> None:

@@ -53,15 +53,41 @@ def build_app(core: GatewayCore, on_metrics=None, metrics_registry=None) -> Fast
     async def chat_completions(request: Request):
         return await _chat_completions(request, core)
 
+    # the two routes every token-serving request takes, past FastAPI's layers (registered above all
+    # the same: OpenAPI, and 405 for another method, are FastAPI's)
+    app.direct[("POST", "/v1/completions")] = _direct(_completions, core)
+    app.direct[("POST", "/v1/chat/completions")] = _direct(_chat_completions, core)
     openapi.install(app, [CompletionRequest, ChatCompletionRequest])
     return app
+
+
+def _direct(endpoint, core: GatewayCore):
+    """`endpoint` as a direct route (`EventStreamApp.direct`): a refusal or a bug before the response
+    starts is answered as the app's handlers and `_ServerFaults` answer it."""
+
+    async def app(scope, receive, send) -> None:
+        request = Request(scope, receive)
+        try:
+            response = await endpoint(request, core)
+        except ServiceError as e:
+            response = _service_error_response(e)
+        except Exception as e:
+            logger.exception("unexpected error on %s", scope.get("path"))
+            response = JSONResponse(error_body(500, f"internal error: {type(e).__name__}: {e}"), status_code=500)
+        await response(scope, receive, send)
+
+    return app
+
+
+def _service_error_response(e: ServiceError) -> JSONResponse:
+    headers = {"Retry-After": str(whole_seconds(e.retry_after_s))} if e.retry_after_s is not None else None
+    return JSONResponse(service_error_body(e), status_code=e.http_status, headers=headers)
 
 
 def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ServiceError)
     async def _service_error(request: Request, e: ServiceError):
-        headers = {"Retry-After": str(whole_seconds(e.retry_after_s))} if e.retry_after_s is not None else None
-        return JSONResponse(service_error_body(e), status_code=e.http_status, headers=headers)
+        return _service_error_response(e)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, e: StarletteHTTPException):

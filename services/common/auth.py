@@ -103,6 +103,11 @@ def _with_metadata(method, fixed: Sequence[tuple[str, str]]):
     return call
 
 
+def with_token(method, token: str):
+    """One multicallable (`channel.unary_stream(...)`), sending the cluster token with every call."""
+    return _with_metadata(method, token_metadata(token))
+
+
 def stub(stub_class, channel, token: str):
     """`stub_class(channel)`, sending the cluster token with every call."""
     return AuthedStub(stub_class(channel), token)

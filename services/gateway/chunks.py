@@ -97,6 +97,13 @@ class StreamChunks:
             logprobs = dumps(fmt.completion_logprobs(delta.logprobs or [], offset))
         return (self._start(choice.index) + text + self._end(logprobs, delta)).encode()
 
+    def running_parts(self, index: int, chat: bool) -> tuple[bytes, bytes]:
+        """The bytes before and after the JSON string of the text in a running chunk of choice
+        `index` (`completion`'s or, for a delta with text, `chat`'s): what a native lane writes around it."""
+        if chat:
+            return (self._start(index) + '{"content": ').encode(), ("}" + _RUNNING).encode()
+        return self._start(index).encode(), _RUNNING.encode()
+
     def chat_role(self, index: int) -> bytes:
         """The first chunk of a choice: the assistant's role, no content yet."""
         return (self._start(index) + '{"role": "assistant", "content": ""}' + _RUNNING).encode()

@@ -29,7 +29,8 @@ async def completion_events(
             choices[choice.index] = choice
             yield chunks.completion(choice, delta)
             if lane is not None:
-                lane.render, lane = chunks.completion, None
+                lane.set_render(chunks, chat=False)
+                lane = None
         if include_usage:
             yield chunks.usage(usage(list(choices.values())))
     except ServiceError as e:
@@ -64,7 +65,8 @@ async def chat_events(
             if event is not None:
                 yield event
             if lane is not None:
-                lane.render, lane = chunks.chat, None
+                lane.set_render(chunks, chat=True)
+                lane = None
         if include_usage:
             yield chunks.usage(usage(list(choices.values())))
     except ServiceError as e:

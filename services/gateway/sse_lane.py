@@ -14,6 +14,10 @@ and every delta after is queued behind it), nor once the client has left or the 
 
 Only requests with one prompt, one sample and no logprobs get a lane (`for_request`): those are
 the bulk of streams, and everything else keeps its one path.
+
+Where `services.native` is built, the lane also has a compiled half (`NativeLane`) for the same
+events: the event's text around the token's (`StreamChunks.running_parts`), the same connection,
+the same readiness checks; `absorb` brings the choice and the clock up to what it wrote.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from __future__ import annotations
 from typing import Optional
 
 from services.common.fast_lane import COUNTS, FastLane
+from services.native import NativeLane
 
 _UVICORN_CYCLE = "uvicorn.protocols.http.httptools_impl"
 """The uvicorn protocol whose cycle the lane writes to (its body framing is `send`'s, above). Under
@@ -48,6 +53,13 @@ class SseLane(FastLane):
             return None
         return cls()
 
+    def set_render(self, chunks, chat: bool) -> None:
+        """The choice's first event is out: later ones are `chunks`' (`StreamChunks`), `chat` or not."""
+        self.render = chunks.chat if chat else chunks.completion
+        if NativeLane is not None and self._cycle is not None:
+            head, tail = chunks.running_parts(self.choice.index, chat)
+            self.native = NativeLane(self._transport, self._cycle, self._flow, head, tail, chat)
+
     def connect(self, send) -> None:
         """`send`: the HTTP server's own (`EventStream`); the response has started."""
         cycle = getattr(send, "__self__", None)
@@ -73,3 +85,11 @@ class SseLane(FastLane):
         body = self.render(choice, delta)
         if body:
             self._transport.write(b"%x\r\n%b\r\n" % (len(body), body))
+
+    def absorb(self, delta, first_at: float, last_at: float) -> None:
+        clock = self.clock
+        if delta is not None:
+            self.choice.add(delta)
+            if clock.first_at is None and delta.token_ids:
+                clock.first_at = first_at
+        clock.last_at = last_at

@@ -41,7 +41,7 @@ from services.common.prefill_result import PrefillResult
 from services.common.workers import POOL_ENCODER, WorkerInfo, WorkerLoad
 from services.router.inbox import RequestInbox
 from services.router.submit_batch import SubmitBatcher
-from services.router.subscription import DeltaSubscription, new_subscriber_id
+from services.router.subscription import DeltaSubscription, new_subscriber_id, subscribe_raw
 
 logger = logging.getLogger(__name__)
 
@@ -133,6 +133,7 @@ class GrpcWorkerClient:
         self._decode = auth.stub(worker_pb2_grpc.DecodeStub, self._channel, cluster_token)
         self._worker = auth.stub(worker_pb2_grpc.WorkerStub, self._channel, cluster_token)
         self._encoder = auth.stub(worker_pb2_grpc.EncoderStub, self._channel, cluster_token)
+        self._subscribe_raw = auth.with_token(subscribe_raw(self._channel), cluster_token)
         self._submits = SubmitBatcher(self._decode.SubmitBatch, self._decode.Submit, self.name)
         """Submits of one turn of the loop go out as one call."""
         self._inboxes: dict[str, RequestInbox] = {}
@@ -248,7 +249,7 @@ class GrpcWorkerClient:
             self._subscribe_attempts += 1
             try:
                 subscription = await DeltaSubscription.open(
-                    self._decode, new_subscriber_id(self.worker_id), self.name, self._inboxes, timeout
+                    self._subscribe_raw, new_subscriber_id(self.worker_id), self.name, self._inboxes, timeout
                 )
             except ServiceError as e:
                 self._subscribe_error = e

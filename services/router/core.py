@@ -84,6 +84,7 @@ class RouterCore:
             if lane is not None and not many:
                 flows[0].lane = lane
                 lane.route = _route(flows[0].progress, assemblers[0])
+                lane.progress, lane.assembler = flows[0].progress, assemblers[0]
             stream = merge([f.deltas() for f in flows]) if many else flows[0].deltas()
             try:
                 async for item in stream:

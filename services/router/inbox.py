@@ -6,7 +6,9 @@ a slow consumer costs one message downstream, not one per token. Cheaper than an
 `asyncio.Queue`: a deque and one waiter, no locks, no per-item futures.
 
 A `sink` (the request's fast lane, `services/common/fast_lane.py`) is offered a delta instead of
-the queue while the reader is parked on an empty inbox: taken there, it wakes no task at all.
+the queue while the reader is parked on an empty inbox: taken there, it wakes no task at all. The
+lane's compiled half (`native`), armed while the reader is parked, takes deltas before they reach
+`put`; whatever this inbox does next in Python starts by settling it (`FastLane.settle`).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ logger = logging.getLogger(__name__)
 
 
 class RequestInbox:
-    __slots__ = ("subscription", "sink", "_queue", "_waiter", "_error", "_timer")
+    __slots__ = ("subscription", "sink", "lane", "native", "_queue", "_waiter", "_error", "_timer")
 
     def __init__(self, subscription: object):
         self.subscription = subscription
@@ -37,8 +39,15 @@ class RequestInbox:
         self._timer: Optional[asyncio.TimerHandle] = None
         self.sink: Optional[Callable[[common_pb2.SampleDelta], bool]] = None
         """Offered each delta while the reader waits on an empty inbox; True: taken (not queued)."""
+        self.lane = None
+        """The fast lane `sink` belongs to (`FastLane`): armed and settled from here."""
+        self.native = None
+        """Its compiled half, read by the subscription's native dispatch (set by `FastLane.arm`)."""
 
     def put(self, msg: common_pb2.SampleDelta) -> None:
+        lane = self.lane
+        if lane is not None:
+            lane.settle()  # what its native half took goes into the request's objects first
         waiter = self._waiter
         if waiter is not None and not waiter.done():
             # the reader is parked: nothing of this request is queued or on its way up, so a sink
@@ -47,19 +56,30 @@ class RequestInbox:
             if sink is not None and self._error is None:
                 try:
                     if sink(msg):
+                        if lane is not None:
+                            lane.arm(self)  # still parked
                         return
                 except Exception as e:  # a bug: end this request, never the subscription's reader
-                    logger.exception("the fast lane failed")
-                    self.sink = None
-                    self.fail(ServiceError(ErrorCode.INTERNAL, f"internal error: {type(e).__name__}: {e}"))
+                    self.sink_failed(e)
                     return
             self._queue.append(msg)
             waiter.set_result(None)
         else:
             self._queue.append(msg)
 
+    def sink_failed(self, e: BaseException) -> None:
+        """The lane failed on a delta (a bug): this request ends, the subscription goes on."""
+        logger.error("the fast lane failed", exc_info=e)
+        self.sink = None
+        if self.native is not None:
+            self.native.disarm()
+        self.native = None
+        self.fail(ServiceError(ErrorCode.INTERNAL, f"internal error: {type(e).__name__}: {e}"))
+
     def fail(self, error: ServiceError) -> None:
         """End the stream with `error` once what is queued has been taken (the first error wins)."""
+        if self.lane is not None:
+            self.lane.settle()
         if self._error is None:
             self._error = error
             waiter = self._waiter
@@ -90,9 +110,13 @@ class RequestInbox:
                     raise ServiceError(self._error.code, self._error.message)
                 else:
                     self._waiter = loop.create_future()
+                    if self.lane is not None and self.sink is not None:
+                        self.lane.arm(self)
                     await self._waiter
                     self._waiter = None
         finally:
+            if self.lane is not None:
+                self.lane.settle()
             self.sink = None
             if self._timer is not None:
                 self._timer.cancel()

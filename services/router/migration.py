@@ -79,6 +79,15 @@ class SampleProgress:
     def num_tokens(self) -> int:
         return len(self._tokens)
 
+    def edge(self) -> tuple[int, int, int, int]:
+        """(tokens, characters) the client has of the sample, and where the current attempt's
+        output starts in them (a native lane takes deltas from there: `fast_lane.py`)."""
+        return len(self._tokens), self._num_chars, self._base_tokens, self._base_chars
+
+    def mark_clean(self, tokens: int, chars: int) -> None:
+        """A clean point `place` would have recorded for a one-token delta taken elsewhere."""
+        self._clean = (tokens, chars)
+
     def place(self, d: SampleDelta) -> SampleDelta:
         """The current attempt's delta as a delta of the whole sample (recorded as seen)."""
         if self._base_tokens or self._base_chars:

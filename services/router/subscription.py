@@ -1,6 +1,10 @@
 """One router's subscription to one streaming worker (CE or NORMAL): a `Decode.Subscribe` call
 whose `DeltaBatch`es, one per engine turn, are dispatched to the inboxes of their requests.
 
+The call's messages are read as wire bytes (`subscribe_raw`) and handed whole to
+`services.native.dispatch`, which parses them in compiled code where it is built: a streamed SSE
+request's ordinary deltas are written to its connection there, the rest go to `inbox.put`.
+
 A subscription that breaks (the worker died, the connection dropped, the worker ended it)
 fails every inbox it feeds with UNAVAILABLE naming the worker; the client opens a new one,
 under a new subscriber id, for later requests.
@@ -21,6 +25,7 @@ import grpc
 from deepinfer_proto import worker_pb2
 from services.common.errors import ErrorCode, ServiceError
 from services.common.grpc_util import CALL_ERRORS, error_from_rpc
+from services.native import dispatch
 from services.router.inbox import RequestInbox
 
 logger = logging.getLogger(__name__)
@@ -28,6 +33,16 @@ logger = logging.getLogger(__name__)
 _ROUTER_ID = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
 """This router process, in every subscriber id it hands out."""
 _SUBSCRIPTIONS = itertools.count()
+SUBSCRIBE_METHOD = "/deepinfer.v1.Decode/Subscribe"
+
+
+def subscribe_raw(channel):
+    """`Decode.Subscribe` whose replies are the `DeltaBatch`es' wire bytes, not parsed messages."""
+    return channel.unary_stream(
+        SUBSCRIBE_METHOD,
+        request_serializer=worker_pb2.SubscribeRequest.SerializeToString,
+        response_deserializer=None,
+    )
 
 
 def new_subscriber_id(worker_id: str) -> str:
@@ -54,13 +69,14 @@ class DeltaSubscription:
 
     @classmethod
     async def open(
-        cls, stub, subscriber_id: str, worker_name: str, inboxes: dict[str, RequestInbox], timeout: float
+        cls, subscribe, subscriber_id: str, worker_name: str, inboxes: dict[str, RequestInbox], timeout: float
     ) -> Optional[DeltaSubscription]:
-        """Subscribe and wait until the worker has the subscription in place (its initial
-        metadata). None when the worker has no `Subscribe` (an older one: read each request's
-        own stream). Raises ServiceError when the worker cannot be reached in `timeout`."""
+        """Subscribe (`subscribe`: `subscribe_raw`'s call, cluster token included) and wait until
+        the worker has the subscription in place (its initial metadata). None when the worker has
+        no `Subscribe` (an older one: read each request's own stream). Raises ServiceError when the
+        worker cannot be reached in `timeout`."""
         try:
-            call = stub.Subscribe(worker_pb2.SubscribeRequest(subscriber_id=subscriber_id))
+            call = subscribe(worker_pb2.SubscribeRequest(subscriber_id=subscriber_id))
         except CALL_ERRORS as e:  # the channel was closed: the worker left
             raise error_from_rpc(e, worker_name) from None
         try:
@@ -93,10 +109,7 @@ class DeltaSubscription:
         try:
             inboxes = self._inboxes
             async for batch in self._call:
-                for item in batch.items:
-                    inbox = inboxes.get(item.request_id)
-                    if inbox is not None:  # None: a request the router has let go (aborted, deadline)
-                        inbox.put(item.delta)
+                dispatch(batch, inboxes)
         except CALL_ERRORS as e:
             error = error_from_rpc(e, self.worker_name)
         except asyncio.CancelledError:

@@ -2,6 +2,9 @@
 head: a worker server over gRPC read through the router's delta subscription, the router and
 gateway in one process, uvicorn (httptools) on 127.0.0.1, raw HTTP/1.1 clients.
 
+Every test runs twice: with the lane's compiled half (`services/native`, where it is built) taking
+the ordinary deltas, and with the Python lane alone (the fallback where it is not built).
+
 What a client receives with the lane is what it receives without it, byte for byte (event by
 event, framing included), for completions and chat, several streams at once, stop-string holdback,
 include_usage, n > 1 and logprobs (which keep the chain); the lane does engage for the ordinary
@@ -17,8 +20,10 @@ import httpx
 import pytest
 
 from benchmarks.token_source import WORDS, TokenSourceEngine, expected_tokens, token_source_config
+from services import native
 from services.common.fast_lane import COUNTS
-from services.gateway import http_app
+from services.gateway import http_app, sse_lane
+from services.router import subscription
 from tests.helpers.lane_front import WAIT_S, LaneHead, post, read_response
 
 _LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
@@ -28,13 +33,28 @@ STEP_S = 0.02
 (one token an event either way, so the runs compare event for event)."""
 
 
-@pytest.fixture(scope="module")
-def head():
+@pytest.fixture(scope="module", params=["native", "python"])
+def head(request):
+    """`native`: the compiled half takes what it can; `python`: as where it is not built (the Python
+    dispatch of the subscription's bytes, no native lanes)."""
+    if request.param == "native" and native.NativeLane is None:
+        pytest.skip("services.native was not built (no C compiler at install)")
+    patch = pytest.MonkeyPatch()
+    if request.param == "python":
+        patch.setattr(sse_lane, "NativeLane", None)
+        patch.setattr(subscription, "dispatch", native._dispatch_python)
     engine = TokenSourceEngine(token_source_config(), step_period_s=STEP_S, tokens_per_step=1)
     served = LaneHead(engine=engine)
     served.engine = engine
+    served.native = request.param == "native"
     yield served
     served.stop()
+    patch.undo()
+
+
+def _taken_by(head) -> int:
+    """Deltas taken by the kind of lane `head` runs."""
+    return native.lanes_taken() if head.native else COUNTS.python_taken
 
 
 @pytest.fixture
@@ -152,9 +172,9 @@ def _content(by_choice: dict) -> dict:
 
 def test_the_lane_carries_the_ordinary_stream_in_order(head):
     tokens = 60
-    taken = COUNTS.taken
+    taken = _taken_by(head)
     streams = _concurrently(head, [dict(chat=False, prompt_id=p, tokens=tokens) for p in range(8)])
-    assert COUNTS.taken - taken >= 8 * (tokens // 2), "most tokens should take the lane"
+    assert _taken_by(head) - taken >= 8 * (tokens // 2), "most tokens should take the lane"
     for p, events in enumerate(streams):
         objs = [_check_format(e) for e in events[:-1]]
         text = "".join(o["choices"][0]["text"] for o in objs)

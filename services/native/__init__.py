@@ -1,0 +1,53 @@
+"""Compiled parts of the service layer, each beside the Python it stands in for.
+
+`delta_lane` (`delta_lane.c`, built by `pip install`; see `setup.py`): a worker subscription's
+`DeltaBatch` read from its wire bytes, with the ordinary mid-stream deltas of streamed SSE requests
+written to their connections in compiled code (`services/common/fast_lane.py` says when). Where it
+was not built (no C compiler at install), or with `DEEPINFER_NATIVE_LANE=0`, `dispatch` is the
+Python loop it replaces and every delta takes the Python lane or the chain: same bytes, more CPU.
+"""
+
+from __future__ import annotations
+
+import os
+
+from deepinfer_proto import common_pb2, worker_pb2
+
+
+def _load():
+    if os.environ.get("DEEPINFER_NATIVE_LANE", "1") == "0":
+        return None
+    try:
+        from services.native import _delta_lane
+    except ImportError:
+        return None
+    return _delta_lane
+
+
+delta_lane = _load()
+NativeLane = delta_lane.NativeLane if delta_lane is not None else None
+"""One request's native lane (None: not built, or switched off)."""
+
+_sample_delta = common_pb2.SampleDelta.FromString
+_delta_batch = worker_pb2.DeltaBatch.FromString
+
+
+def _dispatch_python(batch: bytes, inboxes: dict) -> None:
+    for item in _delta_batch(batch).items:
+        inbox = inboxes.get(item.request_id)
+        if inbox is not None:  # None: a request the router has let go (aborted, deadline)
+            inbox.put(item.delta)
+
+
+def _dispatch_native(batch: bytes, inboxes: dict) -> None:
+    delta_lane.dispatch(batch, inboxes, _sample_delta)
+
+
+dispatch = _dispatch_native if delta_lane is not None else _dispatch_python
+"""dispatch(batch, inboxes): each item of a `DeltaBatch`'s wire bytes to its request's native lane
+or, through `inbox.put`, to its inbox (request id -> `RequestInbox`)."""
+
+
+def lanes_taken() -> int:
+    """Deltas the native lanes of this process took."""
+    return delta_lane.taken() if delta_lane is not None else 0

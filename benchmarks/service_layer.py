@@ -56,6 +56,7 @@ from benchmarks.service_layer_cluster import Cluster, LoadOptions, run_level  # 
 from benchmarks.service_layer_head import PROFILE_HEAD_ENV  # noqa: E402
 from benchmarks.service_layer_overhead import measure_overhead  # noqa: E402
 from benchmarks.service_layer_procs import Children  # noqa: E402
+from services import native  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -77,6 +78,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--overhead-requests", type=int, default=20)
     p.add_argument("--overhead-step-ms", type=float, default=0.0, help="token source step period for the overhead")
     p.add_argument("--pd", action="store_true", help="prefill + decode pools (token-source hand-off) instead")
+    p.add_argument(
+        "--python-lane",
+        action="store_true",
+        help="the head without the fast lane's compiled half (DEEPINFER_NATIVE_LANE=0), as where it is not built",
+    )
     p.add_argument("--quick", action="store_true", help="short windows and few requests (tests)")
     p.add_argument("--json", default=None, help="write every number here")
     p.add_argument(
@@ -134,6 +140,9 @@ def run(args: argparse.Namespace) -> dict:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.python_lane:
+        os.environ["DEEPINFER_NATIVE_LANE"] = "0"  # the head's process inherits it
+    lane = "python" if args.python_lane or native.delta_lane is None else "native"
     results = run(args)
     when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     mode = "prefill + decode" if args.pd else "colocated"
@@ -141,7 +150,7 @@ def main(argv=None) -> int:
         f"\nService layer, token source ({mode}, {args.workers} worker(s), {args.api_workers} API process(es), "
         f"step {args.step_ms:g} ms, "
         f"{args.tokens_per_step} token(s)/step, {args.max_tokens} tokens/request, "
-        f"stream interval {args.stream_interval}), "
+        f"stream interval {args.stream_interval}, {lane} lane), "
         f"{platform.machine()}, {os.cpu_count()} CPUs, {when}; window {args.window_s:g} s after {args.warmup_s:g} s\n"
     )
     print("\n".join(report.level_table(results["levels"])))
@@ -155,7 +164,7 @@ def main(argv=None) -> int:
     print()
     print("\n".join(report.ratio_lines(results["ratios"])))
     if args.json:
-        results["when"] = when
+        results["when"], results["lane"] = when, lane
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
     problems = sum(lv["check"]["mismatches"] + lv["check"]["errors"] for lv in results["levels"])

@@ -1,10 +1,15 @@
 """Compiled parts of the service layer, each beside the Python it stands in for.
 
-`delta_lane` (`delta_lane.c`, built by `pip install`; see `setup.py`): a worker subscription's
-`DeltaBatch` read from its wire bytes, with the ordinary mid-stream deltas of streamed SSE requests
-written to their connections in compiled code (`services/common/fast_lane.py` says when). Where it
-was not built (no C compiler at install), or with `DEEPINFER_NATIVE_LANE=0`, `dispatch` is the
-Python loop it replaces and every delta takes the Python lane or the chain: same bytes, more CPU.
+`delta_lane` (`delta_lane.c`, built by `pip install`; see `setup.py`):
+- on the router, a worker subscription's `DeltaBatch` read from its wire bytes, with the ordinary
+  mid-stream deltas of streamed SSE requests written to their connections in compiled code
+  (`services/common/fast_lane.py` says when);
+- on a worker, each engine turn's deltas encoded as a `DeltaBatch`'s wire bytes (`encode_batch`).
+
+Where it was not built (no C compiler at install), or with `DEEPINFER_NATIVE_LANE=0`, the Python
+it stands in for runs: `dispatch` is the Python loop, every delta takes the Python lane or the
+chain, and `encode_batch` is None (`messages.batch_message` fills the message in Python). Same
+bytes, more CPU.
 """
 
 from __future__ import annotations
@@ -46,6 +51,11 @@ def _dispatch_native(batch: bytes, inboxes: dict) -> None:
 dispatch = _dispatch_native if delta_lane is not None else _dispatch_python
 """dispatch(batch, inboxes): each item of a `DeltaBatch`'s wire bytes to its request's native lane
 or, through `inbox.put`, to its inbox (request id -> `RequestInbox`)."""
+
+
+encode_batch = delta_lane.encode_batch if delta_lane is not None else None
+"""encode_batch(items): (request id, SampleDelta) pairs as a `DeltaBatch`'s wire bytes, or None
+for a turn it leaves to the Python encoder (logprobs, a value the message cannot hold)."""
 
 
 def lanes_taken() -> int:

@@ -388,11 +388,11 @@ static int lane_take(NativeLane *self, const Delta *d, Py_ssize_t chars) {
     if (grow((void **)&self->text, &self->cap_text, self->n_text + d->text_len, 1) < 0) return -1;
     Reader q = {d->ids, d->ids + d->ids_len};
     for (Py_ssize_t i = 0; i < d->n_ids; i++) {
-        uint64_t v;
+        uint64_t v = 0;
         read_varint(&q, &v);
         self->ids[self->n_ids++] = (int32_t)v;
     }
-    memcpy(self->text + self->n_text, d->text, (size_t)d->text_len);
+    if (d->text_len) memcpy(self->text + self->n_text, d->text, (size_t)d->text_len);
     self->n_text += d->text_len;
     double now = monotonic();
     if (self->n_taken++ == 0) {
@@ -543,6 +543,180 @@ malformed:
     return NULL;
 }
 
+
+/* ---- encode_batch: a worker's turn as DeltaBatch wire bytes ------------------------------------ */
+
+typedef struct {
+    char *buf;
+    Py_ssize_t len, cap;
+} Buffer;
+
+static int buf_reserve(Buffer *b, Py_ssize_t more) {
+    return grow((void **)&b->buf, &b->cap, b->len + more, 1);
+}
+
+static void put_varint(Buffer *b, uint64_t v) { /* room reserved by the caller (10 bytes) */
+    while (v >= 0x80) {
+        b->buf[b->len++] = (char)(v | 0x80);
+        v >>= 7;
+    }
+    b->buf[b->len++] = (char)v;
+}
+
+static int varint_len(uint64_t v) {
+    int n = 1;
+    while (v >= 0x80) { v >>= 7; n++; }
+    return n;
+}
+
+static int put_key_varint(Buffer *b, int field, uint64_t v) {
+    if (buf_reserve(b, 20) < 0) return -1;
+    put_varint(b, (uint64_t)(field << 3));
+    put_varint(b, v);
+    return 0;
+}
+
+static int put_key_bytes(Buffer *b, int field, const char *s, Py_ssize_t n) {
+    if (buf_reserve(b, 20 + n) < 0) return -1;
+    put_varint(b, (uint64_t)(field << 3 | 2));
+    put_varint(b, (uint64_t)n);
+    memcpy(b->buf + b->len, s, (size_t)n);
+    b->len += n;
+    return 0;
+}
+
+static PyObject *S_INDEX, *S_TOKEN_OFFSET, *S_TOKEN_IDS, *S_TEXT_OFFSET, *S_TEXT, *S_LOGPROBS, *S_FINISH_REASON,
+    *S_STOP_REASON, *S_ERROR, *S_NUM_CACHED;
+
+/* 1: done; 0: not this encoder's (logprobs, an unexpected type or value: the caller encodes it in
+ * Python, which refuses what is wrong); -1: an error is set. */
+static int encode_uint_attr(Buffer *b, PyObject *d, PyObject *name, int field) {
+    PyObject *v = PyObject_GetAttr(d, name);
+    if (v == NULL) return -1;
+    if (!PyLong_Check(v)) { Py_DECREF(v); return 0; }
+    unsigned long long x = PyLong_AsUnsignedLongLong(v);
+    Py_DECREF(v);
+    if (x == (unsigned long long)-1 && PyErr_Occurred()) { PyErr_Clear(); return 0; }
+    if (x > 0xffffffffULL) return 0;
+    if (x && put_key_varint(b, field, x) < 0) return -1;
+    return 1;
+}
+
+/* A str attribute as field `field`: None and "" are left out unless `always` (a oneof member). */
+static int encode_str(Buffer *b, PyObject *v, int field, int always) {
+    if (!PyUnicode_Check(v)) return 0;
+    Py_ssize_t n;
+    const char *s = PyUnicode_AsUTF8AndSize(v, &n);
+    if (s == NULL) { PyErr_Clear(); return 0; } /* lone surrogates: not UTF-8 */
+    if ((n || always) && put_key_bytes(b, field, s, n) < 0) return -1;
+    return 1;
+}
+
+static int encode_str_attr(Buffer *b, PyObject *d, PyObject *name, int field) {
+    PyObject *v = PyObject_GetAttr(d, name);
+    if (v == NULL) return -1;
+    int r = v == Py_None ? 1 : encode_str(b, v, field, 0);
+    Py_DECREF(v);
+    return r;
+}
+
+static int encode_delta(Buffer *b, PyObject *d) {
+    int r;
+    if ((r = encode_uint_attr(b, d, S_INDEX, 1)) <= 0) return r;
+    if ((r = encode_uint_attr(b, d, S_TOKEN_OFFSET, 2)) <= 0) return r;
+    PyObject *ids = PyObject_GetAttr(d, S_TOKEN_IDS);
+    if (ids == NULL) return -1;
+    if (!PyList_Check(ids)) { Py_DECREF(ids); return 0; }
+    Py_ssize_t n = PyList_GET_SIZE(ids);
+    if (n) {
+        uint64_t packed[64], *vals = n <= 64 ? packed : PyMem_Malloc((size_t)n * sizeof(uint64_t));
+        if (vals == NULL) { Py_DECREF(ids); PyErr_NoMemory(); return -1; }
+        Py_ssize_t size = 0;
+        r = 1;
+        for (Py_ssize_t i = 0; i < n && r == 1; i++) {
+            PyObject *item = PyList_GET_ITEM(ids, i);
+            long long x = PyLong_Check(item) ? PyLong_AsLongLong(item) : -1;
+            if (!PyLong_Check(item) || (x == -1 && PyErr_Occurred()) || x < INT32_MIN || x > INT32_MAX) {
+                PyErr_Clear();
+                r = 0;
+                break;
+            }
+            vals[i] = (uint64_t)x; /* int32: a negative id is its 64-bit two's complement */
+            size += varint_len(vals[i]);
+        }
+        if (r == 1 && buf_reserve(b, 20 + size) < 0) r = -1;
+        if (r == 1) {
+            put_varint(b, 3 << 3 | 2);
+            put_varint(b, (uint64_t)size);
+            for (Py_ssize_t i = 0; i < n; i++) put_varint(b, vals[i]);
+        }
+        if (vals != packed) PyMem_Free(vals);
+        if (r <= 0) { Py_DECREF(ids); return r; }
+    }
+    Py_DECREF(ids);
+    if ((r = encode_uint_attr(b, d, S_TEXT_OFFSET, 4)) <= 0) return r;
+    if ((r = encode_str_attr(b, d, S_TEXT, 5)) <= 0) return r;
+    PyObject *lps = PyObject_GetAttr(d, S_LOGPROBS);
+    if (lps == NULL) return -1;
+    int has = lps == Py_None ? 0 : PyObject_IsTrue(lps);
+    Py_DECREF(lps);
+    if (has != 0) return has < 0 ? -1 : 0;
+    if ((r = encode_str_attr(b, d, S_FINISH_REASON, 7)) <= 0) return r;
+    PyObject *stop = PyObject_GetAttr(d, S_STOP_REASON);
+    if (stop == NULL) return -1;
+    r = 1;
+    if (PyLong_Check(stop)) {
+        long long x = PyLong_AsLongLong(stop);
+        if ((x == -1 && PyErr_Occurred()) || x < INT32_MIN || x > INT32_MAX) { PyErr_Clear(); r = 0; }
+        else if (put_key_varint(b, 8, (uint64_t)x) < 0) r = -1;
+    } else if (stop != Py_None) {
+        r = encode_str(b, stop, 9, 1);
+    }
+    Py_DECREF(stop);
+    if (r <= 0) return r;
+    if ((r = encode_str_attr(b, d, S_ERROR, 10)) <= 0) return r;
+    return encode_uint_attr(b, d, S_NUM_CACHED, 11);
+}
+
+static PyObject *encode_batch(PyObject *module, PyObject *items) {
+    if (!PyList_Check(items)) {
+        PyErr_SetString(PyExc_TypeError, "encode_batch(items: list[tuple[str, SampleDelta]])");
+        return NULL;
+    }
+    Buffer out = {0}, delta = {0};
+    PyObject *result = NULL;
+    int r = 1;
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(items) && r == 1; i++) {
+        PyObject *pair = PyList_GET_ITEM(items, i);
+        if (!PyTuple_Check(pair) || PyTuple_GET_SIZE(pair) != 2 || !PyUnicode_Check(PyTuple_GET_ITEM(pair, 0))) {
+            r = 0;
+            break;
+        }
+        Py_ssize_t rid_len;
+        const char *rid = PyUnicode_AsUTF8AndSize(PyTuple_GET_ITEM(pair, 0), &rid_len);
+        if (rid == NULL) { PyErr_Clear(); r = 0; break; }
+        delta.len = 0;
+        if ((r = encode_delta(&delta, PyTuple_GET_ITEM(pair, 1))) <= 0) break;
+        Py_ssize_t item = 1 + varint_len((uint64_t)rid_len) + rid_len + 1 + varint_len((uint64_t)delta.len) + delta.len;
+        if (buf_reserve(&out, 20 + item) < 0) { r = -1; break; }
+        put_varint(&out, 1 << 3 | 2);
+        put_varint(&out, (uint64_t)item);
+        put_varint(&out, 1 << 3 | 2);
+        put_varint(&out, (uint64_t)rid_len);
+        memcpy(out.buf + out.len, rid, (size_t)rid_len);
+        out.len += rid_len;
+        put_varint(&out, 2 << 3 | 2);
+        put_varint(&out, (uint64_t)delta.len);
+        if (delta.len) memcpy(out.buf + out.len, delta.buf, (size_t)delta.len);
+        out.len += delta.len;
+    }
+    if (r == 1) result = PyBytes_FromStringAndSize(out.buf ? out.buf : "", out.len);
+    else if (r == 0) { result = Py_None; Py_INCREF(result); }
+    PyMem_Free(out.buf);
+    PyMem_Free(delta.buf);
+    return result;
+}
+
 static PyObject *taken(PyObject *module, PyObject *unused) { return PyLong_FromUnsignedLongLong(TAKEN); }
 
 static PyObject *json_string(PyObject *module, PyObject *arg) {
@@ -560,6 +734,9 @@ static PyMethodDef module_methods[] = {
     {"dispatch", (PyCFunction)(void (*)(void))dispatch, METH_FASTCALL,
      "dispatch(batch, inboxes, from_string): a DeltaBatch's items to their requests' lanes or inboxes"},
     {"taken", (PyCFunction)taken, METH_NOARGS, "deltas the native lanes of this process took"},
+    {"encode_batch", (PyCFunction)encode_batch, METH_O,
+     "encode_batch(items): (request id, SampleDelta) pairs as a DeltaBatch's wire bytes; None: one it leaves "
+     "to the Python encoder (logprobs, an unexpected value)"},
     {"json_string", (PyCFunction)json_string, METH_O, "a str as the lane writes it: a JSON string literal, UTF-8"},
     {NULL}};
 
@@ -576,6 +753,16 @@ PyMODINIT_FUNC PyInit__delta_lane(void) {
     INTERN(S_NATIVE, "native");
     INTERN(S_PUT, "put");
     INTERN(S_SINK_FAILED, "sink_failed");
+    INTERN(S_INDEX, "index");
+    INTERN(S_TOKEN_OFFSET, "token_offset");
+    INTERN(S_TOKEN_IDS, "token_ids");
+    INTERN(S_TEXT_OFFSET, "text_offset");
+    INTERN(S_TEXT, "text");
+    INTERN(S_LOGPROBS, "logprobs");
+    INTERN(S_FINISH_REASON, "finish_reason");
+    INTERN(S_STOP_REASON, "stop_reason");
+    INTERN(S_ERROR, "error");
+    INTERN(S_NUM_CACHED, "num_cached_tokens");
     PyObject *m = PyModule_Create(&module_def);
     if (m == NULL) return NULL;
     Py_INCREF(&NativeLaneType);

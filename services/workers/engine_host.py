@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable
 from typing import Any, Optional
 
+from deepinfer_core.engine.load import EngineLoad
 from services.common.workers import WorkerLoad
 
 logger = logging.getLogger(__name__)
@@ -157,5 +158,10 @@ class EngineHost:
 
 
 def snapshot_load(engine) -> WorkerLoad:
-    """The engine's load, read on the engine thread."""
-    return WorkerLoad(**dataclasses.asdict(engine.load()))
+    """The engine's load, read on the engine thread (after every turn: its plain fields are copied
+    as they are, not through `dataclasses.asdict`'s deep copy, which cost a worker 6% of its CPU)."""
+    load = engine.load()
+    return WorkerLoad(**{name: getattr(load, name) for name in _LOAD_FIELDS})
+
+
+_LOAD_FIELDS = tuple(f.name for f in dataclasses.fields(EngineLoad))

@@ -11,7 +11,7 @@ from deepinfer_proto import common_pb2, worker_pb2, worker_pb2_grpc
 from services.common.errors import ErrorCode, ServiceError
 from services.common.grpc_util import handles_errors, status_args
 from services.common.messages import (
-    batch_to_proto,
+    batch_message,
     delta_to_proto,
     handle_from_proto,
     handle_to_proto,
@@ -100,7 +100,7 @@ class DecodeService(worker_pb2_grpc.DecodeServicer):
         try:
             await context.send_initial_metadata(())  # the subscriber may name itself in requests now
             async for items in outbox.batches(idle_s=_SUBSCRIPTION_IDLE_S):
-                yield batch_to_proto(items)
+                yield batch_message(items)
         finally:
             self.core.close_subscription(outbox)
 

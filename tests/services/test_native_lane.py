@@ -7,6 +7,8 @@
   at its edge, and hands every other one to `put` untouched.
 - What it took comes back as one delta (`take_pending`), in the attempt's offsets, with the
   clean point `SampleProgress.place` would have recorded.
+- A worker's turn encoded (`encode_batch`) is the message `batch_to_proto` fills; a turn it
+  cannot encode (logprobs, values the message cannot hold) is left to the Python encoder.
 - Its refusals: not armed, not at the edge, a connection that cannot take a write, a write that
   fails (the request ends through `sink_failed`, the dispatch goes on).
 """
@@ -18,7 +20,7 @@ import pytest
 from deepinfer_proto import common_pb2, worker_pb2
 from services import native
 from services.common.deltas import SampleDelta, TokenLogprob
-from services.common.messages import batch_to_proto
+from services.common.messages import batch_message, batch_to_proto
 from services.gateway.chunks import StreamChunks, _text
 from services.gateway.core import Choice
 
@@ -228,3 +230,42 @@ def test_a_batch_that_does_not_parse_is_refused():
         _dispatch(b"\x0a\x05ab", {})
     empty = worker_pb2.DeltaBatch().SerializeToString()
     _dispatch(empty, {})
+
+
+def _random_delta(rng: random.Random) -> SampleDelta:
+    n = rng.randrange(0, 4)
+    return SampleDelta(
+        index=rng.choice([0, 0, 1, 7]),
+        token_offset=rng.choice([0, rng.randrange(0, 1 << 32)]),
+        token_ids=[rng.choice([0, 1, rng.randrange(0, 1 << 31), -rng.randrange(1, 1 << 31)]) for _ in range(n)],
+        text_offset=rng.choice([0, rng.randrange(0, 1 << 32)]),
+        text=_random_text(rng),
+        finish_reason=rng.choice([None, "", "stop", "length", "error"]),
+        stop_reason=rng.choice([None, 0, 7, -3, "", "zz"]),
+        error=rng.choice([None, "", "boom"]),
+        num_cached_tokens=rng.choice([0, rng.randrange(0, 1 << 32)]),
+    )
+
+
+def test_a_workers_turn_encodes_to_the_message_the_python_encoder_fills():
+    rng = random.Random(5)
+    for _ in range(500):
+        items = [(rng.choice(["a", "r-1", "é", ""]), _random_delta(rng)) for _ in range(rng.randrange(0, 8))]
+        raw = native.encode_batch(items)
+        assert worker_pb2.DeltaBatch.FromString(raw) == batch_to_proto(items), items
+    assert native.encode_batch([]) == b""
+
+
+def test_a_turn_it_cannot_encode_is_left_to_the_python_encoder():
+    plain = ("r", SampleDelta(0, 0, [1], 0, " w1"))
+    for odd in (
+        ("r", SampleDelta(0, 0, [1], 0, " w1", logprobs=[TokenLogprob(1, -0.5, {1: -0.5})])),
+        ("r", SampleDelta(0, 0, [1 << 40], 0, "")),  # not an int32
+        ("r", SampleDelta(0, -1, [1], 0, "")),  # not a uint32
+        ("r", SampleDelta(0, 0, [1], 0, "\ud800")),  # not UTF-8
+        ("r", SampleDelta(0, 0, (1,), 0, "")),  # not a list
+    ):
+        assert native.encode_batch([plain, odd]) is None
+    with_logprobs = [plain, ("r", SampleDelta(1, 2, [3, 4], 5, "ab", [TokenLogprob(3, -0.5, {3: -0.5})] * 2))]
+    assert batch_message(with_logprobs) == batch_to_proto(with_logprobs)
+    assert batch_message([plain]) == batch_to_proto([plain])

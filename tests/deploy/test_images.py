@@ -77,6 +77,19 @@ def test_every_copied_source_exists_and_is_let_through(name):
         assert package in allowed, package
 
 
+@pytest.mark.parametrize("name", DOCKERFILES)
+def test_the_image_builds_the_fast_lanes_extension_or_fails(name):
+    """A C compiler in the build stage, and the install told that the extension must build: an
+    image that fell back to the Python lane would serve at twice the head's CPU a token."""
+    steps = instructions(name)
+    starts = [i for i, (k, _) in enumerate(steps) if k == "FROM"]
+    build = steps[starts[0] : starts[1]]
+    assert any(k == "RUN" and "apt-get install" in a and " gcc " in f" {a} " for k, a in build)
+    installs = [a for k, a in build if k == "RUN" and a.endswith("pip install --no-cache-dir .")]
+    assert installs == ["DEEPINFER_REQUIRE_NATIVE=1 pip install --no-cache-dir ."]
+    assert "setup.py" in next(a for k, a in build if k == "COPY" and "pyproject.toml" in a)
+
+
 def test_the_images_pin_what_make_install_and_the_chart_use():
     makefile = (ROOT / "Makefile").read_text()
     torch = re.search(r'"torch==([0-9.]+)"', makefile).group(1)

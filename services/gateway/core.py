@@ -260,17 +260,17 @@ class GatewayCore:
         model = self.config.model_name
         reasons = {c.finish_reason for c in choices}
         for reason in reasons:
-            m.REQUEST_SUCCESS.labels(model, reason or "unknown").inc()
-        m.PROMPT_TOKENS.labels(model).inc(sum(c.prompt_tokens for c in choices if c.sample == 0))
+            m.labelled(m.REQUEST_SUCCESS, model, reason or "unknown").inc()
+        m.labelled(m.PROMPT_TOKENS, model).inc(sum(c.prompt_tokens for c in choices if c.sample == 0))
         num_out = sum(len(c.token_ids) for c in choices)
-        m.GENERATION_TOKENS.labels(model).inc(num_out)
+        m.labelled(m.GENERATION_TOKENS, model).inc(num_out)
         if first_at is None:
             return
-        m.TIME_TO_FIRST_TOKEN.labels(model).observe(first_at - arrival)
-        m.E2E_LATENCY.labels(model).observe(last_at - arrival)
+        m.labelled(m.TIME_TO_FIRST_TOKEN, model).observe(first_at - arrival)
+        m.labelled(m.E2E_LATENCY, model).observe(last_at - arrival)
         longest = max(len(c.token_ids) for c in choices)
         if longest > 1:
-            m.TIME_PER_OUTPUT_TOKEN.labels(model).observe((last_at - first_at) / (longest - 1))
+            m.labelled(m.TIME_PER_OUTPUT_TOKEN, model).observe((last_at - first_at) / (longest - 1))
 
 
 INLINE_PROMPT_ITEMS = 1024

@@ -23,6 +23,8 @@ from collections.abc import AsyncIterator
 from fastapi import FastAPI
 from starlette.responses import StreamingResponse
 
+from services.gateway.chunks import DONE
+
 SERVER_SEND = "deepinfer.server_send"
 """Scope key: the HTTP server's own `send`, outside every middleware."""
 
@@ -86,6 +88,9 @@ class EventStream(StreamingResponse):
         events = self.body_iterator
         try:
             async for event in events:
+                if event is DONE:  # always the last: the body's end goes out in the same write
+                    await send({"type": "http.response.body", "body": event, "more_body": False})
+                    return
                 await send({"type": "http.response.body", "body": event, "more_body": True})
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:

@@ -132,3 +132,15 @@ MIGRATIONS = Counter(
     "Requests moved to a healthy prefill/decode pair mid-stream (prompt + tokens so far re-prefilled), by reason.",
     ["reason"],
 )
+
+_CHILDREN: dict = {}
+
+
+def labelled(metric, *values: str):
+    """`metric.labels(*values)`, looked up once per label values: `labels` checks its arguments and
+    takes a lock on every call, and the head calls it several times a request."""
+    key = (metric, values)
+    child = _CHILDREN.get(key)
+    if child is None:
+        child = _CHILDREN[key] = metric.labels(*values)
+    return child

@@ -141,7 +141,7 @@ class SampleFlow:
 
         worker = await self._wait_for(POOL_COLOCATED, pick, set())
         self._hold(worker, self.kv_tokens, "colocated")
-        m.QUEUE_TIME.labels(self.router.model).observe(time.monotonic() - self.arrival)
+        m.labelled(m.QUEUE_TIME, self.router.model).observe(time.monotonic() - self.arrival)
         try:
             stream = worker.client.generate(
                 sub_id, prompt, params, self.remaining(), self.images, resumed_tokens=self.resumed_tokens(prompt)
@@ -269,7 +269,7 @@ class SampleFlow:
                 self._release(ce, self.kv_tokens)
                 self.router.abort_later(ce, sub_id, prefill=False, unused=True)
                 raise
-            m.ROUTER_DECISIONS.labels("decode", ce.worker_id).inc()
+            m.labelled(m.ROUTER_DECISIONS, "decode", ce.worker_id).inc()
             self._ce_id = ce.worker_id
             return ce, target
 
@@ -295,7 +295,7 @@ class SampleFlow:
             raise RetryPrefill(e, pe.worker_id, decode_side) from None
         finally:
             self._release(pe, len(prompt))
-        m.QUEUE_TIME.labels(self.router.model).observe(result.queue_seconds + (self._dispatched - self.arrival))
+        m.labelled(m.QUEUE_TIME, self.router.model).observe(result.queue_seconds + (self._dispatched - self.arrival))
         m.KV_TRANSFER_SECONDS.labels(pe.worker_id).observe(result.kv_seconds)
         m.KV_HANDOFF_EXPOSED_SECONDS.labels(pe.worker_id).observe(result.kv_exposed_seconds)
         m.KV_TRANSFER_BYTES.labels(pe.worker_id).inc(result.kv_bytes)
@@ -388,7 +388,7 @@ class SampleFlow:
         worker.inflight_tokens += tokens
         worker.inflight_blocks += blocks_for(tokens, worker.info.block_size)
         if pool_label:
-            m.ROUTER_DECISIONS.labels(pool_label, worker.worker_id).inc()
+            m.labelled(m.ROUTER_DECISIONS, pool_label, worker.worker_id).inc()
 
     def _release(self, worker: WorkerHandle, tokens: int) -> None:
         worker.inflight -= 1

@@ -264,12 +264,27 @@ static int lane_init(NativeLane *self, PyObject *args, PyObject *kwds) {
     return 0;
 }
 
+/* The connection's objects may lead back to the request (and so to this lane): the collector sees them. */
+static int lane_traverse(NativeLane *self, visitproc visit, void *arg) {
+    Py_VISIT(self->transport);
+    Py_VISIT(self->cycle);
+    Py_VISIT(self->flow);
+    return 0;
+}
+
+static int lane_clear(NativeLane *self) {
+    Py_CLEAR(self->transport);
+    Py_CLEAR(self->cycle);
+    Py_CLEAR(self->flow);
+    Py_CLEAR(self->head);
+    Py_CLEAR(self->tail);
+    self->armed = 0;
+    return 0;
+}
+
 static void lane_dealloc(NativeLane *self) {
-    Py_XDECREF(self->transport);
-    Py_XDECREF(self->cycle);
-    Py_XDECREF(self->flow);
-    Py_XDECREF(self->head);
-    Py_XDECREF(self->tail);
+    PyObject_GC_UnTrack(self);
+    lane_clear(self);
     PyMem_Free(self->ids);
     PyMem_Free(self->text);
     Py_TYPE(self)->tp_free((PyObject *)self);
@@ -278,6 +293,10 @@ static void lane_dealloc(NativeLane *self) {
 static PyObject *lane_arm(NativeLane *self, PyObject *args) {
     unsigned long long t, c, bt, bc;
     if (!PyArg_ParseTuple(args, "KKKK", &t, &c, &bt, &bc)) return NULL;
+    if (self->transport == NULL || self->head == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "arm: the lane has no connection");
+        return NULL;
+    }
     if (self->n_taken) {
         PyErr_SetString(PyExc_RuntimeError, "arm: what the lane took was not taken back first");
         return NULL;
@@ -313,7 +332,7 @@ static PyObject *lane_take_pending(NativeLane *self, PyObject *unused) {
     else { clean = Py_None; Py_INCREF(clean); }
     if (clean == NULL) { Py_DECREF(ids); return NULL; }
     PyObject *out = Py_BuildValue("(KNKs#KddN)", (unsigned long long)(self->from_tokens - self->base_tokens), ids,
-                                  (unsigned long long)(self->from_chars - self->base_chars), self->text,
+                                  (unsigned long long)(self->from_chars - self->base_chars), self->text ? self->text : "",
                                   self->n_text, (unsigned long long)self->num_cached, self->first_at,
                                   self->last_at, clean);
     if (out == NULL) return NULL;
@@ -446,7 +465,9 @@ static PyTypeObject NativeLaneType = {
     PyVarObject_HEAD_INIT(NULL, 0).tp_name = "services.native._delta_lane.NativeLane",
     .tp_basicsize = sizeof(NativeLane),
     .tp_dealloc = (destructor)lane_dealloc,
-    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_traverse = (traverseproc)lane_traverse,
+    .tp_clear = (inquiry)lane_clear,
     .tp_doc = "NativeLane(transport, cycle, flow, head, tail, skip_empty=False): one streamed request's "
               "SSE events written from the subscription's bytes",
     .tp_methods = lane_methods,

@@ -269,3 +269,24 @@ def test_a_turn_it_cannot_encode_is_left_to_the_python_encoder():
     with_logprobs = [plain, ("r", SampleDelta(1, 2, [3, 4], 5, "ab", [TokenLogprob(3, -0.5, {3: -0.5})] * 2))]
     assert batch_message(with_logprobs) == batch_to_proto(with_logprobs)
     assert batch_message([plain]) == batch_to_proto([plain])
+
+
+def test_deltas_without_text_come_back_with_empty_text():
+    """A token whose bytes do not yet end a character has no text: the replay still gets a str."""
+    lane, _, transport, _, _ = _lane()
+    lane.arm(0, 0, 0, 0)
+    _dispatch(_batch(("r", SampleDelta(0, 0, [7], 0, "")), ("r", SampleDelta(0, 1, [8], 0, ""))), {"r": Inbox(lane)})
+    assert lane.take_pending()[:4] == (0, [7, 8], 0, "")
+    assert len(transport.written) == 2  # a completion's event carries "" all the same
+
+
+def test_a_lane_in_a_reference_cycle_is_collected():
+    import gc
+    import weakref
+
+    lane, _, transport, _, _ = _lane()
+    transport.lane = lane  # the connection leading back to the lane
+    gone = weakref.ref(transport)
+    del lane, transport
+    gc.collect()
+    assert gone() is None

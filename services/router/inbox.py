@@ -45,9 +45,9 @@ class RequestInbox:
         """Its compiled half, read by the subscription's native dispatch (set by `FastLane.arm`)."""
 
     def put(self, msg: common_pb2.SampleDelta) -> None:
+        if not self._settle():  # what the lane's native half took goes into the request's objects first
+            return
         lane = self.lane
-        if lane is not None:
-            lane.settle()  # what its native half took goes into the request's objects first
         waiter = self._waiter
         if waiter is not None and not waiter.done():
             # the reader is parked: nothing of this request is queued or on its way up, so a sink
@@ -70,16 +70,27 @@ class RequestInbox:
     def sink_failed(self, e: BaseException) -> None:
         """The lane failed on a delta (a bug): this request ends, the subscription goes on."""
         logger.error("the fast lane failed", exc_info=e)
-        self.sink = None
         if self.native is not None:
             self.native.disarm()
-        self.native = None
+        self.sink = self.lane = self.native = None
         self.fail(ServiceError(ErrorCode.INTERNAL, f"internal error: {type(e).__name__}: {e}"))
+
+    def _settle(self) -> bool:
+        """Replay what the lane's native half took (`FastLane.settle`); False: that failed (a bug),
+        and the request with it."""
+        lane = self.lane
+        if lane is None:
+            return True
+        try:
+            lane.settle()
+        except Exception as e:
+            self.sink_failed(e)
+            return False
+        return True
 
     def fail(self, error: ServiceError) -> None:
         """End the stream with `error` once what is queued has been taken (the first error wins)."""
-        if self.lane is not None:
-            self.lane.settle()
+        self._settle()
         if self._error is None:
             self._error = error
             waiter = self._waiter
@@ -115,8 +126,7 @@ class RequestInbox:
                     await self._waiter
                     self._waiter = None
         finally:
-            if self.lane is not None:
-                self.lane.settle()
+            self._settle()
             self.sink = None
             if self._timer is not None:
                 self._timer.cancel()

@@ -79,3 +79,34 @@ def test_a_sink_that_fails_ends_its_request_with_internal():
     error, got = _run(run())
     assert error.code is ErrorCode.INTERNAL and "boom" in error.message
     assert got == [(1, [1])]  # the next delta was queued (the sink is gone), then the failure
+
+
+class _FailingLane:
+    """A lane whose replay of what its native half took fails (a bug)."""
+
+    def __init__(self):
+        self.settles = 0
+
+    def settle(self):
+        self.settles += 1
+        raise RuntimeError("replay failed")
+
+    def arm(self, inbox):
+        pass
+
+
+def test_a_lane_whose_replay_fails_ends_that_request_with_internal_and_the_reader_goes_on():
+    async def run():
+        inbox, got = RequestInbox(None), []
+        inbox.sink, inbox.lane = _Sink(), _FailingLane()
+        lane = inbox.lane
+        reader = asyncio.ensure_future(_reader(inbox, got))
+        await asyncio.sleep(0)
+        inbox.put(_msg(0))  # the replay before it fails: the request ends, put returns
+        with pytest.raises(ServiceError) as e:
+            await reader
+        return e.value, lane.settles, inbox.lane, got
+
+    error, settles, lane, got = _run(run())
+    assert error.code == ErrorCode.INTERNAL and "replay failed" in error.message
+    assert settles == 1 and lane is None and got == []

@@ -147,14 +147,8 @@ class PromptEngine(LLMEngine):
             raise KVTargetRejected(f"the KV reservation for {request_id!r} has expired")
         first = params.clone()
         first.max_tokens, first.min_tokens = 1, min(params.min_tokens, 1)
-        seq = self.add_request(
-            request_id,
-            prompt,
-            first,
-            prompt_token_ids,
-            multi_modal_data=multi_modal_data,
-            resumed_tokens=resumed_tokens,
-        )
+        inputs = {"multi_modal_data": multi_modal_data, "resumed_tokens": resumed_tokens}
+        seq = self.add_request(request_id, prompt, first, prompt_token_ids, **inputs)
         needed = self.scheduler.block_manager.blocks_needed(len(seq))
         if len(target.block_ids) < needed or target.num_prompt_tokens != len(seq):
             self.abort_request(request_id)

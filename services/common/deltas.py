@@ -185,6 +185,14 @@ class SampleAssembler:
             text += new
             self.text = text
 
+    def edge(self) -> Optional[tuple[int, int]]:
+        """(tokens, characters) when the client has all there is of the sample and nothing is held
+        back or to come: a delta starting there is passed on as it is (`push`). None otherwise."""
+        if self.holdback or self.done:
+            return None
+        tokens, chars = len(self.tokens), len(self.text)
+        return (tokens, chars) if tokens == self.sent_tokens and chars == self.sent_chars else None
+
     def take(self) -> Optional[SampleDelta]:
         """What the client has not seen yet; None when there is nothing new."""
         if self.done:

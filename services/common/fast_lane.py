@@ -96,11 +96,8 @@ class FastLane:
         native = self.native
         if native is None or self.route is None or not self.ready():
             return
-        asm = self.assembler
         tokens, chars, base_tokens, base_chars = self.progress.edge()
-        if asm.holdback or asm.done or not (tokens == len(asm.tokens) == asm.sent_tokens):
-            return
-        if chars != len(asm.text) or chars != asm.sent_chars:
+        if self.assembler.edge() != (tokens, chars):
             return
         inbox.native = native
         native.arm(tokens, chars, base_tokens, base_chars)

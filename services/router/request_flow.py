@@ -296,9 +296,9 @@ class SampleFlow:
         finally:
             self._release(pe, len(prompt))
         m.labelled(m.QUEUE_TIME, self.router.model).observe(result.queue_seconds + (self._dispatched - self.arrival))
-        m.KV_TRANSFER_SECONDS.labels(pe.worker_id).observe(result.kv_seconds)
-        m.KV_HANDOFF_EXPOSED_SECONDS.labels(pe.worker_id).observe(result.kv_exposed_seconds)
-        m.KV_TRANSFER_BYTES.labels(pe.worker_id).inc(result.kv_bytes)
+        m.labelled(m.KV_TRANSFER_SECONDS, pe.worker_id).observe(result.kv_seconds)
+        m.labelled(m.KV_HANDOFF_EXPOSED_SECONDS, pe.worker_id).observe(result.kv_exposed_seconds)
+        m.labelled(m.KV_TRANSFER_BYTES, pe.worker_id).inc(result.kv_bytes)
         if result.embeds_seconds:
             m.EMBEDDING_TRANSFER_SECONDS.labels(pe.worker_id).observe(result.embeds_seconds)
         pe.prefixes.record(self.prefix)

@@ -33,13 +33,13 @@ logger = logging.getLogger(__name__)
 _ROUTER_ID = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
 """This router process, in every subscriber id it hands out."""
 _SUBSCRIPTIONS = itertools.count()
-SUBSCRIBE_METHOD = "/deepinfer.v1.Decode/Subscribe"
+_SUBSCRIBE = worker_pb2.DESCRIPTOR.services_by_name["Decode"].methods_by_name["Subscribe"]
 
 
 def subscribe_raw(channel):
     """`Decode.Subscribe` whose replies are the `DeltaBatch`es' wire bytes, not parsed messages."""
     return channel.unary_stream(
-        SUBSCRIBE_METHOD,
+        f"/{_SUBSCRIBE.containing_service.full_name}/{_SUBSCRIBE.name}",
         request_serializer=worker_pb2.SubscribeRequest.SerializeToString,
         response_deserializer=None,
     )

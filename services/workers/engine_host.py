@@ -157,11 +157,11 @@ class EngineHost:
                 item[2].set_exception(RuntimeError(f"engine {self.engine.name} stopped: {self.error}"))
 
 
+_LOAD_FIELDS = tuple(f.name for f in dataclasses.fields(EngineLoad))
+
+
 def snapshot_load(engine) -> WorkerLoad:
     """The engine's load, read on the engine thread (after every turn: its plain fields are copied
     as they are, not through `dataclasses.asdict`'s deep copy, which cost a worker 6% of its CPU)."""
     load = engine.load()
     return WorkerLoad(**{name: getattr(load, name) for name in _LOAD_FIELDS})
-
-
-_LOAD_FIELDS = tuple(f.name for f in dataclasses.fields(EngineLoad))

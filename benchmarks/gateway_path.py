@@ -135,7 +135,7 @@ class Bench:
         request.params.n = shape.n
         size = 0
         async for msg in self.grpc.Generate(request, FakeGrpcContext()):
-            size += len(msg.SerializeToString())
+            size += len(msg) if msg.__class__ is bytes else len(msg.SerializeToString())
         return size
 
     async def _http(self, i: int, prompts: list[list[int]], shape: Shape, tokens: int) -> int:

@@ -100,7 +100,7 @@ class FastLane:
         if self.assembler.edge() != (tokens, chars):
             return
         inbox.native = native
-        native.arm(tokens, chars, base_tokens, base_chars)
+        native.arm(tokens, chars, base_tokens, base_chars, self.assembler.num_cached_tokens)
 
     def settle(self) -> None:
         """Disarm the native half and replay what it took into the request's objects."""

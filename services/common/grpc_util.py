@@ -194,18 +194,28 @@ def _parse_or_malformed(parse):
     return deserialize
 
 
-def add_lenient(add_servicer, servicer, server: grpc.aio.Server) -> None:
+def add_lenient(add_servicer, servicer, server: grpc.aio.Server, raw_responses=frozenset()) -> None:
     """`add_servicer(servicer, server)` (a generated `add_*Servicer_to_server`), except that a request
     that does not parse reaches the method as `Malformed`: grpc would answer UNKNOWN for it, a status
-    that blames nobody, where `handles_errors` answers INVALID_ARGUMENT, the client's fault."""
+    that blames nobody, where `handles_errors` answers INVALID_ARGUMENT, the client's fault. The
+    methods named in `raw_responses` may also yield a response's wire bytes, sent as they are."""
     captured = _Captured()
     add_servicer(servicer, captured)
-    handlers = {
-        name: h._replace(request_deserializer=_parse_or_malformed(h.request_deserializer))
-        for name, h in captured.handlers.items()
-    }
+    handlers = {}
+    for name, h in captured.handlers.items():
+        h = h._replace(request_deserializer=_parse_or_malformed(h.request_deserializer))
+        if name in raw_responses:
+            h = h._replace(response_serializer=_bytes_or(h.response_serializer))
+        handlers[name] = h
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(captured.service, handlers),))
     server.add_registered_method_handlers(captured.service, handlers)
+
+
+def _bytes_or(serialize):
+    def serializer(message) -> bytes:
+        return message if message.__class__ is bytes else serialize(message)
+
+    return serializer
 
 
 def new_server(max_receive_bytes: int = _MAX_MESSAGE, *, cluster_token: str = "") -> grpc.aio.Server:

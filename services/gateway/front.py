@@ -30,13 +30,14 @@ class GatewayFront:
         `process`: this API process's index, in the `x-deepinfer-process` header of every response;
         `tls`: the certificate both ports serve with (none: plain HTTP, insecure gRPC)."""
         from deepinfer_proto import gateway_pb2_grpc
-        from services.gateway.grpc_service import GatewayService
+        from services.gateway.grpc_service import RAW_RESPONSES, GatewayService
         from services.gateway.http_app import build_app
 
         self.core = core
         # the same size limit as an HTTP body's: a larger message is refused before it is parsed
         self.grpc_server = new_server(core.config.max_request_bytes)
-        add_lenient(gateway_pb2_grpc.add_GatewayServicer_to_server, GatewayService(core), self.grpc_server)
+        servicer = GatewayService(core)
+        add_lenient(gateway_pb2_grpc.add_GatewayServicer_to_server, servicer, self.grpc_server, RAW_RESPONSES)
         gateway_pb2_grpc.add_ClusterServicer_to_server(cluster_servicer, self.grpc_server)
         enable_reflection(self.grpc_server, ["deepinfer.v1.Gateway", "deepinfer.v1.Cluster"])
         self.app = build_app(core, metrics_registry=metrics_registry)

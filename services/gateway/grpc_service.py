@@ -1,4 +1,7 @@
-"""The gateway's gRPC API (`deepinfer.v1.Gateway`): a thin layer over GatewayCore."""
+"""The gateway's gRPC API (`deepinfer.v1.Gateway`): a thin layer over GatewayCore.
+
+A streamed `Generate` of one sample takes the fast lane (`grpc_lane.py`): most of its messages come
+already serialized, and its method's serializer (`RAW_RESPONSES`) sends bytes as they are."""
 
 from __future__ import annotations
 
@@ -11,6 +14,7 @@ from services.common.grpc_util import handles_errors
 from services.common.messages import fill_delta
 from services.gateway import validation
 from services.gateway.core import GatewayCore, usage
+from services.gateway.grpc_lane import GrpcLane
 
 
 def authorization(context) -> str:
@@ -36,6 +40,10 @@ def _chat_message(m) -> dict:
     return {"role": m.role, "content": parts}
 
 
+RAW_RESPONSES = frozenset({"Generate"})
+"""Methods whose handler may yield a message's wire bytes instead of the message (`add_lenient`)."""
+
+
 class GatewayService(gateway_pb2_grpc.GatewayServicer):
     def __init__(self, core: GatewayCore):
         self.core = core
@@ -57,7 +65,15 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
         try:
             choices = {}
             response = gateway_pb2.GenerateResponse
-            async for choice, delta in core.generate([prompt], params, request_id, images):
+            lane = GrpcLane.for_request(request_id, params)
+            stream = core.generate([prompt], params, request_id, images, lane=lane)
+            if lane is not None:
+                stream = lane.messages(stream)
+            async for item in stream:
+                if item.__class__ is bytes:  # a message the fast lane made, sent as it is
+                    yield item
+                    continue
+                choice, delta = item
                 choices[choice.index] = choice
                 msg = response(request_id=request_id)
                 fill_delta(msg.delta, delta)  # written in place: no submessage built and copied

@@ -18,6 +18,11 @@
  * What the lane took is kept (token ids, text, times) until the Python side asks for it
  * (`take_pending`) and replays it into the request's Python objects, before anything there reads
  * them: see `services/common/fast_lane.py`.
+ *
+ * A lane made with `grpc=True` serves a streamed `deepinfer.v1.Gateway/Generate` instead: each delta
+ * it takes becomes the `GenerateResponse` the gRPC front door would have sent for it, as wire bytes
+ * (the request id, then the delta at the client's offsets), handed to its owner's `write`; its
+ * owner's `ready()` says whether it takes one now (`services/gateway/grpc_lane.py`).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -219,6 +224,7 @@ typedef struct {
     PyObject *transport, *cycle, *flow; /* the connection: where events go, and whether they can */
     PyObject *head, *tail;              /* bytes: the event around the text */
     int skip_empty;                     /* chat: a delta without text sends no event */
+    int grpc;                           /* events are GenerateResponse bytes; `transport` is the lane's owner */
     int armed;
     /* where the client is, in the sample's tokens and characters; and where the current attempt's
      * output starts in them (after a migration) */
@@ -233,13 +239,14 @@ typedef struct {
     uint64_t clean_tokens, clean_chars; /* after the last one-token delta ending on a whole character */
     int has_clean;
     uint64_t num_cached;
+    uint64_t sample_cached;             /* the sample's cached prompt tokens so far (what its deltas say) */
     double first_at, last_at;
 } NativeLane;
 
 static PyTypeObject NativeLaneType;
 static unsigned long long TAKEN = 0;
 static PyObject *S_DISCONNECTED, *S_RESPONSE_COMPLETE, *S_WRITE_PAUSED, *S_IS_CLOSING, *S_WRITE, *S_NATIVE, *S_PUT,
-    *S_SINK_FAILED;
+    *S_SINK_FAILED, *S_READY;
 
 static double monotonic(void) {
     struct timespec ts;
@@ -248,11 +255,11 @@ static double monotonic(void) {
 }
 
 static int lane_init(NativeLane *self, PyObject *args, PyObject *kwds) {
-    static char *kwlist[] = {"transport", "cycle", "flow", "head", "tail", "skip_empty", NULL};
+    static char *kwlist[] = {"transport", "cycle", "flow", "head", "tail", "skip_empty", "grpc", NULL};
     PyObject *transport, *cycle, *flow, *head, *tail;
-    int skip_empty = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOSS|p", kwlist, &transport, &cycle, &flow, &head, &tail,
-                                     &skip_empty))
+    int skip_empty = 0, grpc = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOSS|pp", kwlist, &transport, &cycle, &flow, &head, &tail,
+                                     &skip_empty, &grpc))
         return -1;
     Py_INCREF(transport); Py_XSETREF(self->transport, transport);
     Py_INCREF(cycle); Py_XSETREF(self->cycle, cycle);
@@ -260,6 +267,7 @@ static int lane_init(NativeLane *self, PyObject *args, PyObject *kwds) {
     Py_INCREF(head); Py_XSETREF(self->head, head);
     Py_INCREF(tail); Py_XSETREF(self->tail, tail);
     self->skip_empty = skip_empty;
+    self->grpc = grpc;
     self->armed = 0;
     return 0;
 }
@@ -291,8 +299,8 @@ static void lane_dealloc(NativeLane *self) {
 }
 
 static PyObject *lane_arm(NativeLane *self, PyObject *args) {
-    unsigned long long t, c, bt, bc;
-    if (!PyArg_ParseTuple(args, "KKKK", &t, &c, &bt, &bc)) return NULL;
+    unsigned long long t, c, bt, bc, cached = 0;
+    if (!PyArg_ParseTuple(args, "KKKK|K", &t, &c, &bt, &bc, &cached)) return NULL;
     if (self->transport == NULL || self->head == NULL) {
         PyErr_SetString(PyExc_RuntimeError, "arm: the lane has no connection");
         return NULL;
@@ -305,6 +313,7 @@ static PyObject *lane_arm(NativeLane *self, PyObject *args) {
     self->chars = c;
     self->base_tokens = bt;
     self->base_chars = bc;
+    self->sample_cached = cached;
     self->armed = 1;
     Py_RETURN_NONE;
 }
@@ -361,6 +370,13 @@ static int truthy_attr(PyObject *o, PyObject *name) {
 /* Whether the connection can take a write now (`SseLane.ready`); -1: an error is set. */
 static int lane_ready(NativeLane *self) {
     int t;
+    if (self->grpc) {
+        PyObject *ready = PyObject_CallMethodNoArgs(self->transport, S_READY);
+        if (ready == NULL) return -1;
+        t = PyObject_IsTrue(ready);
+        Py_DECREF(ready);
+        return t;
+    }
     if ((t = truthy_attr(self->cycle, S_DISCONNECTED)) != 0) return t < 0 ? -1 : 0;
     if ((t = truthy_attr(self->cycle, S_RESPONSE_COMPLETE)) != 0) return t < 0 ? -1 : 0;
     if ((t = truthy_attr(self->flow, S_WRITE_PAUSED)) != 0) return t < 0 ? -1 : 0;
@@ -382,22 +398,83 @@ static int grow(void **buf, Py_ssize_t *cap, Py_ssize_t need, size_t item) {
     return 0;
 }
 
-/* The event of `d`, written; 0: done, -1: an error is set. The caller checked it can be taken. */
+static uint8_t *put_varint_at(uint8_t *o, uint64_t v) {
+    while (v >= 0x80) {
+        *o++ = (uint8_t)(v | 0x80);
+        v >>= 7;
+    }
+    *o++ = (uint8_t)v;
+    return o;
+}
+
+static Py_ssize_t varint_size(uint64_t v) {
+    Py_ssize_t n = 1;
+    while (v >= 0x80) { v >>= 7; n++; }
+    return n;
+}
+
+/* `d`'s SSE event in uvicorn's chunked framing: the head, the text as a JSON string, the tail. */
+static PyObject *sse_event(NativeLane *self, const Delta *d) {
+    Py_ssize_t head = PyBytes_GET_SIZE(self->head), tail = PyBytes_GET_SIZE(self->tail);
+    Py_ssize_t body = head + escaped_len(d->text, d->text_len) + tail;
+    char hex[24];
+    int hex_len = snprintf(hex, sizeof hex, "%zx\r\n", body);
+    PyObject *event = PyBytes_FromStringAndSize(NULL, hex_len + body + 2);
+    if (event == NULL) return NULL;
+    char *o = PyBytes_AS_STRING(event);
+    memcpy(o, hex, (size_t)hex_len); o += hex_len;
+    memcpy(o, PyBytes_AS_STRING(self->head), (size_t)head); o += head;
+    o = write_escaped(o, d->text, d->text_len);
+    memcpy(o, PyBytes_AS_STRING(self->tail), (size_t)tail); o += tail;
+    *o++ = '\r';
+    *o++ = '\n';
+    return event;
+}
+
+/* `d`'s `GenerateResponse` as its serializer writes it: the head (the request id's field), then the
+ * delta (field 2) with the fields that are not at their default, in field order: token_offset and
+ * text_offset where the client is, the token ids (the worker's packed bytes as they came), the
+ * text, and the sample's cached prompt tokens. One sample: its index is 0, never written. */
+static PyObject *grpc_event(NativeLane *self, const Delta *d) {
+    uint64_t tokens = self->tokens, chars = self->chars, cached = self->sample_cached;
+    Py_ssize_t inner = 0;
+    if (tokens) inner += 1 + varint_size(tokens);
+    if (d->ids_len) inner += 1 + varint_size((uint64_t)d->ids_len) + d->ids_len;
+    if (chars) inner += 1 + varint_size(chars);
+    if (d->text_len) inner += 1 + varint_size((uint64_t)d->text_len) + d->text_len;
+    if (cached) inner += 1 + varint_size(cached);
+    Py_ssize_t head = PyBytes_GET_SIZE(self->head);
+    PyObject *event = PyBytes_FromStringAndSize(NULL, head + 1 + varint_size((uint64_t)inner) + inner);
+    if (event == NULL) return NULL;
+    uint8_t *o = (uint8_t *)PyBytes_AS_STRING(event);
+    memcpy(o, PyBytes_AS_STRING(self->head), (size_t)head); o += head;
+    *o++ = 0x12; /* delta: field 2, length-delimited */
+    o = put_varint_at(o, (uint64_t)inner);
+    if (tokens) { *o++ = 0x10; o = put_varint_at(o, tokens); }
+    if (d->ids_len) {
+        *o++ = 0x1a;
+        o = put_varint_at(o, (uint64_t)d->ids_len);
+        memcpy(o, d->ids, (size_t)d->ids_len); o += d->ids_len;
+    }
+    if (chars) { *o++ = 0x20; o = put_varint_at(o, chars); }
+    if (d->text_len) {
+        *o++ = 0x2a;
+        o = put_varint_at(o, (uint64_t)d->text_len);
+        memcpy(o, d->text, (size_t)d->text_len); o += d->text_len;
+    }
+    if (cached) { *o++ = 0x58; o = put_varint_at(o, cached); }
+    return event;
+}
+
+/* `d` taken: its event written, if the Python side would write one, and what it carried kept for
+ * the replay; 0: done, -1: an error is set. The caller checked it can be taken. */
 static int lane_take(NativeLane *self, const Delta *d, Py_ssize_t chars) {
-    if (d->text_len || !self->skip_empty) {
-        Py_ssize_t head = PyBytes_GET_SIZE(self->head), tail = PyBytes_GET_SIZE(self->tail);
-        Py_ssize_t body = head + escaped_len(d->text, d->text_len) + tail;
-        char hex[24];
-        int hex_len = snprintf(hex, sizeof hex, "%zx\r\n", body);
-        PyObject *event = PyBytes_FromStringAndSize(NULL, hex_len + body + 2);
+    if (d->num_cached > self->sample_cached) self->sample_cached = d->num_cached;
+    /* a delta with neither tokens nor text gives the client nothing (`SampleAssembler.push`) */
+    int send = (d->n_ids || d->text_len) && (self->grpc || d->text_len || !self->skip_empty);
+    if (send) {
+        PyObject *event = self->grpc ? grpc_event(self, d) : sse_event(self, d);
         if (event == NULL) return -1;
-        char *o = PyBytes_AS_STRING(event);
-        memcpy(o, hex, (size_t)hex_len); o += hex_len;
-        memcpy(o, PyBytes_AS_STRING(self->head), (size_t)head); o += head;
-        o = write_escaped(o, d->text, d->text_len);
-        memcpy(o, PyBytes_AS_STRING(self->tail), (size_t)tail); o += tail;
-        *o++ = '\r';
-        *o++ = '\n';
         PyObject *r = PyObject_CallMethodOneArg(self->transport, S_WRITE, event);
         Py_DECREF(event);
         if (r == NULL) return -1;
@@ -449,7 +526,8 @@ static int lane_offer(NativeLane *self, const Delta *d) {
 
 static PyMethodDef lane_methods[] = {
     {"arm", (PyCFunction)lane_arm, METH_VARARGS,
-     "arm(tokens, chars, base_tokens, base_chars): take deltas starting at this edge of the sample"},
+     "arm(tokens, chars, base_tokens, base_chars, cached=0): take deltas starting at this edge of the sample "
+     "(cached: the prompt tokens its deltas said were cached so far)"},
     {"disarm", (PyCFunction)lane_disarm, METH_NOARGS, "take no delta until armed again"},
     {"take_pending", (PyCFunction)lane_take_pending, METH_NOARGS,
      "what was taken since the last call, as one delta's fields, or None"},
@@ -468,8 +546,9 @@ static PyTypeObject NativeLaneType = {
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
     .tp_traverse = (traverseproc)lane_traverse,
     .tp_clear = (inquiry)lane_clear,
-    .tp_doc = "NativeLane(transport, cycle, flow, head, tail, skip_empty=False): one streamed request's "
-              "SSE events written from the subscription's bytes",
+    .tp_doc = "NativeLane(transport, cycle, flow, head, tail, skip_empty=False, grpc=False): one streamed "
+              "request's SSE events (or, with grpc, its GenerateResponse messages) written from the "
+              "subscription's bytes",
     .tp_methods = lane_methods,
     .tp_getset = lane_getset,
     .tp_init = (initproc)lane_init,
@@ -774,6 +853,7 @@ PyMODINIT_FUNC PyInit__delta_lane(void) {
     INTERN(S_NATIVE, "native");
     INTERN(S_PUT, "put");
     INTERN(S_SINK_FAILED, "sink_failed");
+    INTERN(S_READY, "ready");
     INTERN(S_INDEX, "index");
     INTERN(S_TOKEN_OFFSET, "token_offset");
     INTERN(S_TOKEN_IDS, "token_ids");

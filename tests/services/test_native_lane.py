@@ -128,7 +128,7 @@ def test_an_armed_lane_writes_the_python_lanes_events(chat):
         _dispatch(_batch(("r", delta)), {"r": inbox})
         choice.add(delta)
         event = (chunks.chat if chat else chunks.completion)(choice, delta)
-        if event:
+        if event and (ids or piece):  # nothing new: the router passes nothing on (`SampleAssembler.push`)
             want.append(_framed(event))
         tokens, text = tokens + len(ids), text + piece
     assert inbox.put_msgs == [] and inbox.failures == []
@@ -137,6 +137,70 @@ def test_an_armed_lane_writes_the_python_lanes_events(chat):
     taken = lane.take_pending()
     assert taken[:4] == (0, choice.token_ids, 0, text)
     assert lane.take_pending() is None and lane.pending == 0
+
+
+def _grpc_lane(request_id: str = "req-1"):
+    """A front door's `GrpcLane` taking messages (its compiled half: `.native`; what it wrote: `.outbox`)."""
+    from services.gateway.grpc_lane import GrpcLane
+
+    lane = GrpcLane(request_id)
+    lane.open = True
+    return lane
+
+
+def test_an_armed_grpc_lane_writes_the_messages_the_handler_would_send():
+    """Each delta taken becomes the `GenerateResponse` the gRPC front door builds for the router's
+    delta (`fill_delta`): the client's offsets (after a migration too), the sample's cached tokens."""
+    from deepinfer_proto import gateway_pb2
+    from services.common.deltas import SampleAssembler
+    from services.common.messages import fill_delta
+
+    rng = random.Random(11)
+    for base_tokens, base_chars, cached in [(0, 0, 0), (5, 17, 0), (3, 4, 9), (200, 300, 0)]:
+        owner = _grpc_lane("r-%d" % base_tokens)
+        lane = owner.native
+        assembler = SampleAssembler(0)
+        assembler.tokens, assembler.text = [1] * base_tokens, "x" * base_chars
+        assembler.sent_tokens, assembler.sent_chars = base_tokens, base_chars
+        assembler.num_cached_tokens = cached
+        lane.arm(base_tokens, base_chars, base_tokens, base_chars, cached)
+        inbox = Inbox(lane)
+        tokens, text, want, got = 0, "", [], []
+        for i in range(200):
+            piece = _random_text(rng)
+            ids = [rng.randrange(0, 1 << 31) for _ in range(rng.choice([0, 1, 1, 1, 2]))]
+            seen = rng.choice([0, 0, 0, cached + i])  # what the worker says of the cache, now and then
+            delta = SampleDelta(0, tokens, ids, len(text), piece, num_cached_tokens=seen)
+            _dispatch(_batch(("r", delta)), {"r": inbox})
+            got += owner.outbox  # sent by the handler
+            owner.outbox.clear()
+            routed = assembler.push(SampleDelta(0, tokens + base_tokens, ids, len(text) + base_chars, piece,
+                                                num_cached_tokens=seen))
+            if routed is not None:
+                msg = gateway_pb2.GenerateResponse(request_id="r-%d" % base_tokens)
+                fill_delta(msg.delta, routed)
+                want.append(msg.SerializeToString())
+            tokens, text = tokens + len(ids), text + piece
+        assert inbox.put_msgs == [] and inbox.failures == []
+        assert got == want
+        for message in got:  # and each parses as the message
+            assert gateway_pb2.GenerateResponse.FromString(message).SerializeToString() == message
+
+
+def test_a_grpc_lane_steps_aside_while_its_owner_is_not_ready():
+    from services.gateway.grpc_lane import OUTBOX_LIMIT
+
+    owner = _grpc_lane()
+    lane = owner.native
+    lane.arm(0, 0, 0, 0)
+    inbox = Inbox(lane)
+    owner.open = False  # the handler has not sent its first message, or has ended
+    _dispatch(_batch(("r", SampleDelta(0, 0, [7], 0, "a"))), {"r": inbox})
+    assert not owner.outbox and len(inbox.put_msgs) == 1 and lane.pending == 0
+    owner.open = True
+    for i in range(OUTBOX_LIMIT + 3):  # the handler does not come for them: the lane stops at the limit
+        _dispatch(_batch(("r", SampleDelta(0, i, [7], i, "a"))), {"r": inbox})
+    assert len(owner.outbox) == OUTBOX_LIMIT and lane.pending == OUTBOX_LIMIT and len(inbox.put_msgs) == 4
 
 
 def test_with_no_lane_armed_every_item_reaches_put_as_the_python_dispatch_gives_it():

@@ -1,0 +1,166 @@
+"""The fast lane's front-door half for a streamed `deepinfer.v1.Gateway/Generate` (`services/common/fast_lane.py`).
+
+Without it, each token of a gRPC stream climbs the whole chain of async generators (inbox -> worker
+client -> sample flow -> router -> `GatewayCore.generate` -> the handler), and the handler builds a
+`GenerateResponse` for it. `grpc.aio` sends only from the handler's own task, so no lane can write to
+the connection the way the SSE lane does. What this lane does instead is put each ordinary
+mid-stream delta's `GenerateResponse`, already serialized, in the request's `outbox`, and wake the
+handler: the handler's stream (`messages`) yields those bytes as they are (the method's serializer
+passes bytes through: `grpc_service.py`), and only the deltas the lane does not take go the chain's way.
+
+Messages that wait together in the outbox (the handler was still sending when they came) go as
+one, merged as the inbox merges what waited for a reader.
+
+The chain runs in a task of its own beside the outbox. Order holds: the lane takes a delta only
+while the request's reader is parked on an empty inbox, and whatever the reader yields next came
+after everything the lane took, which `messages` sends first.
+
+It takes deltas once the stream's first message is out (the chain's, as without a lane), and only
+while fewer than `OUTBOX_LIMIT` messages wait: a client that does not read stops the handler in
+grpc's flow control, the outbox stops growing, and the deltas after wait in the inbox, merged into
+one when the handler comes back (as every delta did before there was a lane).
+
+Where `services.native` is built, its compiled half writes the same bytes for the same deltas
+straight from the subscription's (`NativeLane(..., grpc=True)`), through `ready` and `write` below.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from collections.abc import AsyncIterator
+from typing import Optional, Union
+
+from deepinfer_proto import gateway_pb2
+from services.common.fast_lane import COUNTS, FastLane
+from services.common.messages import fill_delta
+from services.native import NativeLane
+
+OUTBOX_LIMIT = 64
+"""Messages the lane lets wait for the handler before it steps aside."""
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while n >= 0x80:
+        out.append(n & 0x7F | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+def _merged(outbox: deque) -> bytes:
+    """The messages waiting in `outbox` (consecutive mid-stream deltas of one sample) as one, taken
+    out: a handler that fell behind sends one message for them, as the inbox merges a reader's."""
+    msg = gateway_pb2.GenerateResponse.FromString(outbox.popleft())
+    delta = msg.delta
+    texts = [delta.text]
+    while outbox:
+        more = gateway_pb2.GenerateResponse.FromString(outbox.popleft()).delta
+        delta.token_ids.extend(more.token_ids)
+        texts.append(more.text)
+        if more.num_cached_tokens > delta.num_cached_tokens:
+            delta.num_cached_tokens = more.num_cached_tokens
+    delta.text = "".join(texts)
+    return msg.SerializeToString()
+
+
+class GrpcLane(FastLane):
+    __slots__ = ("choice", "clock", "request_id", "outbox", "open", "_waiter")
+
+    def __init__(self, request_id: str):
+        super().__init__()
+        self.choice = None
+        """The request's `Choice`, and its `StreamClock`: set by `GatewayCore.generate`."""
+        self.clock = None
+        self.request_id = request_id
+        self.outbox: deque[bytes] = deque()
+        """Serialized `GenerateResponse`s the lane took, in order, until the handler sends them."""
+        self.open = False
+        """True while `messages` runs, from its first message on."""
+        self._waiter: Optional[asyncio.Future] = None
+        if NativeLane is not None:
+            rid = request_id.encode()
+            head = b"\x0a" + _varint(len(rid)) + rid  # GenerateResponse.request_id (field 1)
+            self.native = NativeLane(self, None, None, head, b"", grpc=True)
+
+    @classmethod
+    def for_request(cls, request_id: str, params) -> Optional[GrpcLane]:
+        """A lane for a request of one sample without logprobs (the bulk of streams); None otherwise."""
+        if params.n != 1 or params.logprobs is not None:
+            return None
+        return cls(request_id)
+
+    # ---- what the lanes call ------------------------------------------------------------------
+    def ready(self) -> bool:
+        if len(self.outbox) >= OUTBOX_LIMIT:
+            COUNTS.paused += 1  # the handler is held (a client that does not read)
+            return False
+        return self.open
+
+    def write(self, message: bytes) -> None:
+        """One serialized `GenerateResponse` for the handler (the native half calls this too)."""
+        self.outbox.append(message)
+        waiter = self._waiter
+        if waiter is not None:
+            self._waiter = None
+            if not waiter.done():
+                waiter.set_result(None)
+
+    def deliver(self, delta) -> None:
+        choice = self.choice
+        choice.add(delta)  # no finish here: it cannot fail
+        self.clock.tick(delta)
+        msg = gateway_pb2.GenerateResponse(request_id=self.request_id)
+        fill_delta(msg.delta, delta)
+        self.write(msg.SerializeToString())
+
+    def absorb(self, delta, first_at: float, last_at: float) -> None:
+        clock = self.clock
+        if delta is not None:
+            self.choice.add(delta)
+            if clock.first_at is None and delta.token_ids:
+                clock.first_at = first_at
+        clock.last_at = last_at
+
+    # ---- the handler's side ---------------------------------------------------------------------
+    def _wake(self, _=None) -> None:
+        waiter = self._waiter
+        if waiter is not None:
+            self._waiter = None
+            if not waiter.done():
+                waiter.set_result(None)
+
+    async def messages(self, deltas: AsyncIterator) -> AsyncIterator[Union[bytes, tuple]]:
+        """`deltas` (the request's `GatewayCore.generate`, given this lane) with what the lane took
+        in between, in order: bytes (a `GenerateResponse` to send as it is) or the chain's
+        (choice, delta). Closing it closes `deltas` (which aborts the request upstream)."""
+        loop = asyncio.get_running_loop()
+        outbox = self.outbox
+        pending = None
+        try:
+            while True:
+                if outbox:
+                    yield outbox.popleft() if len(outbox) == 1 else _merged(outbox)
+                    continue
+                if pending is None:
+                    pending = loop.create_task(deltas.__anext__())
+                    pending.add_done_callback(self._wake)
+                if pending.done():
+                    try:
+                        item = pending.result()
+                    except StopAsyncIteration:
+                        return
+                    pending = None
+                    yield item
+                    self.open = True  # the stream's first message is out
+                    continue
+                self._waiter = loop.create_future()
+                await self._waiter
+        finally:
+            self.open = False
+            self._waiter = None
+            if pending is not None and not pending.done():
+                pending.cancel()
+                await asyncio.wait((pending,))
+            await deltas.aclose()

@@ -7,7 +7,7 @@ resumed once per token, to do a few lines of bookkeeping and one socket write. W
 request is in its steady phase, the subscription reader hands each of its deltas to `offer`,
 which does the same work in one pass: the router's part (`route`: the sample's progress and its
 assembler, stop-string holdback included) and the front door's (`ready`/`deliver`: the choice, the
-chunk, the write; `services/gateway/sse_lane.py`).
+chunk, the write; `services/gateway/sse_lane.py` for SSE, `services/gateway/grpc_lane.py` for gRPC).
 
 The lane only takes what the chain would pass through unchanged in shape: a delta that does not
 finish its sample (a finish, an error, a broken stream go the chain's way, where migration, usage

@@ -2,7 +2,8 @@
 
 `delta_lane` (`delta_lane.c`, built by `pip install`; see `setup.py`):
 - on the router, a worker subscription's `DeltaBatch` read from its wire bytes, with the ordinary
-  mid-stream deltas of streamed SSE requests written to their connections in compiled code
+  mid-stream deltas of streamed SSE requests written to their connections in compiled code, and
+  those of streamed gRPC requests made into their `GenerateResponse` bytes for the handler
   (`services/common/fast_lane.py` says when);
 - on a worker, each engine turn's deltas encoded as a `DeltaBatch`'s wire bytes (`encode_batch`).
 

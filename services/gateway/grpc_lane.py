@@ -101,11 +101,7 @@ class GrpcLane(FastLane):
     def write(self, message: bytes) -> None:
         """One serialized `GenerateResponse` for the handler (the native half calls this too)."""
         self.outbox.append(message)
-        waiter = self._waiter
-        if waiter is not None:
-            self._waiter = None
-            if not waiter.done():
-                waiter.set_result(None)
+        self._wake()
 
     def deliver(self, delta) -> None:
         choice = self.choice
@@ -125,6 +121,7 @@ class GrpcLane(FastLane):
 
     # ---- the handler's side ---------------------------------------------------------------------
     def _wake(self, _=None) -> None:
+        """Resume the handler if it waits: a message is in the outbox, or the chain has its next."""
         waiter = self._waiter
         if waiter is not None:
             self._waiter = None
@@ -160,7 +157,10 @@ class GrpcLane(FastLane):
         finally:
             self.open = False
             self._waiter = None
-            if pending is not None and not pending.done():
-                pending.cancel()
-                await asyncio.wait((pending,))
+            if pending is not None:
+                if not pending.done():
+                    pending.cancel()
+                    await asyncio.wait((pending,))
+                if not pending.cancelled():
+                    pending.exception()  # the stream is over: what it raised goes no further (nor to the log)
             await deltas.aclose()

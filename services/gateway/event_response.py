@@ -7,9 +7,10 @@ sends the response start through the `send` it is given, so every middleware see
 begin, then each event through the server's own `send`, which `EventStreamApp` leaves in the scope
 (`SERVER_SEND`). The bytes, the headers and the chunked framing are the server's, as before.
 
-The events are pumped in a task of their own, beside one that reads `receive`: the client leaving
-cancels the pump, whose generators end there (their `finally`s abort the request upstream). The admitted work is let go
-once the response is over, whether the stream ran to its end, failed, or never started.
+The events are pumped in a task of their own, beside the request's `ClientWatch` (which reads
+`receive`): the client leaving cancels the pump, whose generators end there (their `finally`s abort
+the request upstream). The admitted work is let go once the response is over, whether the stream ran
+to its end, failed, or never started.
 
 A request's fast lane (`sse_lane.py`) is given the server's `send` once the response has started:
 from then on its ordinary mid-stream events are written to the connection without the pump.
@@ -24,6 +25,7 @@ from fastapi import FastAPI
 from starlette.responses import StreamingResponse
 
 from services.gateway.chunks import DONE
+from services.gateway.client_watch import ClientWatch
 
 SERVER_SEND = "deepinfer.server_send"
 """Scope key: the HTTP server's own `send`, outside every middleware."""
@@ -55,30 +57,34 @@ class EventStreamApp(FastAPI):
 class EventStream(StreamingResponse):
     """`text/event-stream` of `events`; `on_end()` once the response is over."""
 
-    def __init__(self, events: AsyncIterator[bytes], on_end, lane=None):
-        """`lane`: the request's fast lane (`sse_lane.py`), connected to the server's `send` here."""
+    def __init__(self, events: AsyncIterator[bytes], on_end, lane=None, watch=None):
+        """`lane`: the request's fast lane (`sse_lane.py`), connected to the server's `send` here.
+        `watch`: the request's `ClientWatch`, already watching for the client to leave (None: one
+        is started here), stopped when the response is over."""
         super().__init__(events, media_type="text/event-stream")
         self._on_end = on_end
         self._lane = lane
+        self._watch = watch
 
     async def __call__(self, scope, receive, send) -> None:
+        watch = self._watch if self._watch is not None else ClientWatch(receive)
         try:
-            await self._stream(scope, receive, send)
+            await self._stream(scope, send, watch)
         finally:
+            watch.stop()
             self._on_end()
 
-    async def _stream(self, scope, receive, send) -> None:
+    async def _stream(self, scope, send, watch: ClientWatch) -> None:
         await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
         server_send = scope.get(SERVER_SEND, send)  # no SERVER_SEND: a test client
         if self._lane is not None:
             self._lane.connect(server_send)
         # in tasks of their own: each wake-up resumes the stream's frames, not every ASGI layer's above it
         pump = asyncio.ensure_future(self._pump(server_send))
-        listener = asyncio.ensure_future(_until_disconnect(receive))
         try:
-            await asyncio.wait((pump, listener), return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait((pump, watch.task), return_when=asyncio.FIRST_COMPLETED)
         finally:
-            listener.cancel()
+            watch.stop()
             pump.cancel()  # the client left first (or this request is cancelled); nothing once it is done
             await asyncio.wait((pump,))
         if not pump.cancelled() and pump.exception() is not None:
@@ -95,8 +101,3 @@ class EventStream(StreamingResponse):
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:
             await events.aclose()  # its clean-up now (an abort upstream), not whenever it is collected
-
-
-async def _until_disconnect(receive) -> None:
-    while (await receive())["type"] != "http.disconnect":
-        pass

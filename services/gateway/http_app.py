@@ -10,7 +10,6 @@ alone, and is answered on a connection that stays open.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import uuid
 from collections.abc import AsyncIterator
@@ -22,9 +21,10 @@ from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from services.common.errors import ErrorCode, ServiceError
+from services.common.errors import ServiceError
 from services.common.grpc_util import whole_seconds
 from services.gateway import http_body, openapi, validation
+from services.gateway.client_watch import ClientWatch
 from services.gateway.core import INLINE_BODY_BYTES, Choice, GatewayCore, usage
 from services.gateway.event_response import EventStream, EventStreamApp
 from services.gateway.event_streams import chat_events, completion_events
@@ -33,8 +33,6 @@ from services.gateway.responses import Formatter, error_body, service_error_body
 from services.gateway.sse_lane import SseLane
 
 logger = logging.getLogger(__name__)
-
-_DISCONNECT_POLL_S = 0.5
 
 
 def build_app(core: GatewayCore, on_metrics=None, metrics_registry=None) -> FastAPI:
@@ -216,21 +214,24 @@ def _sampling_fields(body, logprobs, max_tokens=None) -> dict[str, Any]:
 async def _respond(request, core, prompts, params, fmt, stream, include_usage, chat, images=()):
     # counted in now, while a status can still say 429; a stream lets go when its response is over
     work = core.admit(prompts, params)
+    watch = ClientWatch(request.receive)
     if stream:
         lane = SseLane.for_request(prompts, params)  # None: the request's every delta takes the chain
         try:  # the headers wait for the first delta: a refusal before it is a status (429/503, Retry-After)
-            deltas = await _started(request, core.generate(prompts, params, fmt.id, images, lane=lane))
+            deltas = await _started(watch, core.generate(prompts, params, fmt.id, images, lane=lane))
         except BaseException:
+            watch.stop()
             core.release(work)
             raise
         if chat:
             events = chat_events(core, prompts, params, fmt, include_usage, images, deltas=deltas, lane=lane)
         else:
             events = completion_events(core, prompts, params, fmt, include_usage, deltas=deltas, lane=lane)
-        return EventStream(events, on_end=lambda: core.release(work), lane=lane)
+        return EventStream(events, on_end=lambda: core.release(work), lane=lane, watch=watch)
     try:
-        choices = await _until_disconnect(request, _collect(core, prompts, params, fmt.id, images))
+        choices = await watch.until_gone(_collect(core, prompts, params, fmt.id, images))
     finally:
+        watch.stop()
         core.release(work)
     body = (fmt.chat if chat else fmt.completion)(choices, usage(choices))
     return JSONResponse(body)
@@ -243,22 +244,18 @@ async def _collect(core, prompts, params, request_id, images=()) -> list[Choice]
     return list(choices.values())
 
 
-async def _started(request: Request, deltas: AsyncIterator) -> AsyncIterator:
+async def _started(watch: ClientWatch, deltas: AsyncIterator) -> AsyncIterator:
     """`deltas` with its first item already read (raises what it raised before any): a stream
     refused before its first byte (no room, a pool empty, the deadline) is answered with a status
     and `Retry-After`, not a 200 whose only event is the error."""
     try:
-        first = await _until_disconnect(request, _next(deltas))
+        first = await watch.until_gone(deltas.__anext__())
     except StopAsyncIteration:
         return deltas
     except BaseException:
         await deltas.aclose()
         raise
     return _after(first, deltas)
-
-
-async def _next(deltas: AsyncIterator):
-    return await deltas.__anext__()
 
 
 async def _after(first, rest: AsyncIterator) -> AsyncIterator:
@@ -268,19 +265,3 @@ async def _after(first, rest: AsyncIterator) -> AsyncIterator:
             yield item
     finally:
         await rest.aclose()
-
-
-async def _until_disconnect(request: Request, coro):
-    """Run `coro`; if the client goes away first, cancel it (which aborts the request)."""
-    task = asyncio.ensure_future(coro)
-    try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=_DISCONNECT_POLL_S)
-            if done:
-                return task.result()
-            if await request.is_disconnected():
-                task.cancel()
-                raise ServiceError(ErrorCode.CANCELLED, "the client disconnected")
-    finally:
-        if not task.done():
-            task.cancel()

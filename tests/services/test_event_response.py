@@ -104,3 +104,73 @@ def test_without_a_server_send_the_app_send_carries_the_body():
 
     conn = _run(run())
     assert [m["type"] for m in conn.app_sent] == ["http.response.start", "http.response.body", "http.response.body"]
+
+
+def test_a_client_leaving_before_the_first_delta_cancels_the_wait_at_once():
+    """`ClientWatch.until_gone`: the wait (here for a first delta that never comes) is cancelled in
+    the request's own task as soon as the server says the client left, its clean-up runs, and it
+    raises CANCELLED; the task itself is not left cancelled."""
+    from services.common.errors import ErrorCode, ServiceError
+    from services.gateway.client_watch import ClientWatch
+
+    async def run():
+        conn, cleaned = _Connection(), asyncio.Event()
+
+        async def first_delta():
+            try:
+                await asyncio.sleep(60)
+            finally:
+                cleaned.set()  # where the request is aborted upstream
+
+        watch = ClientWatch(conn.receive)
+        asyncio.get_running_loop().call_later(0.05, conn.left.set)
+        start = asyncio.get_running_loop().time()
+        with pytest.raises(ServiceError) as e:
+            await watch.until_gone(first_delta())
+        took = asyncio.get_running_loop().time() - start
+        assert asyncio.current_task().cancelling() == 0
+        await asyncio.sleep(0)  # still runnable: not cancelled
+        return e.value.code, cleaned.is_set(), took, watch.left()
+
+    code, cleaned, took, left = _run(run())
+    assert code is ErrorCode.CANCELLED and cleaned and left
+    assert took < 1.0
+
+
+def test_a_watch_lets_the_wait_finish_and_then_stays_out_of_the_way():
+    """The wait ends first: its result comes back, and a client leaving afterwards (or the watch
+    stopping) cancels nothing."""
+    from services.gateway.client_watch import ClientWatch
+
+    async def run():
+        conn = _Connection()
+        watch = ClientWatch(conn.receive)
+
+        async def answer():
+            await asyncio.sleep(0.01)
+            return 42
+
+        got = await watch.until_gone(answer())
+        conn.left.set()
+        await asyncio.sleep(0.05)  # the watch sees the client leave: nothing is waiting on it now
+        watch.stop()
+        await asyncio.sleep(0.01)
+        return got, watch.left()
+
+    assert _run(run()) == (42, True)
+
+
+def test_a_server_cancel_is_not_mistaken_for_the_client_leaving():
+    from services.gateway.client_watch import ClientWatch
+
+    async def run():
+        conn = _Connection()
+        watch = ClientWatch(conn.receive)
+        waiting = asyncio.ensure_future(watch.until_gone(asyncio.sleep(60)))
+        await asyncio.sleep(0.02)
+        waiting.cancel()  # the server shutting down, say
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        watch.stop()
+
+    _run(run())

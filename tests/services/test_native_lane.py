@@ -157,7 +157,7 @@ def test_an_armed_grpc_lane_writes_the_messages_the_handler_would_send():
 
     rng = random.Random(11)
     for base_tokens, base_chars, cached in [(0, 0, 0), (5, 17, 0), (3, 4, 9), (200, 300, 0)]:
-        owner = _grpc_lane("r-%d" % base_tokens)
+        owner = _grpc_lane(f"r-{base_tokens}")
         lane = owner.native
         assembler = SampleAssembler(0)
         assembler.tokens, assembler.text = [1] * base_tokens, "x" * base_chars
@@ -174,10 +174,11 @@ def test_an_armed_grpc_lane_writes_the_messages_the_handler_would_send():
             _dispatch(_batch(("r", delta)), {"r": inbox})
             got += owner.outbox  # sent by the handler
             owner.outbox.clear()
-            routed = assembler.push(SampleDelta(0, tokens + base_tokens, ids, len(text) + base_chars, piece,
-                                                num_cached_tokens=seen))
+            routed = assembler.push(
+                SampleDelta(0, tokens + base_tokens, ids, len(text) + base_chars, piece, num_cached_tokens=seen)
+            )
             if routed is not None:
-                msg = gateway_pb2.GenerateResponse(request_id="r-%d" % base_tokens)
+                msg = gateway_pb2.GenerateResponse(request_id=f"r-{base_tokens}")
                 fill_delta(msg.delta, routed)
                 want.append(msg.SerializeToString())
             tokens, text = tokens + len(ids), text + piece

@@ -109,3 +109,47 @@ def test_leaving_mid_stream_frees_the_kv_blocks_the_router_and_the_admission_slo
             break
         assert time.monotonic() < deadline, (head.idle(), load)
         time.sleep(0.05)
+
+
+def test_a_grpc_stream_whose_subscription_ends_mid_stream_migrates_with_the_undisturbed_output(head):
+    """The same over `deepinfer.v1.Gateway/Generate`: the gRPC lane's messages before and after the
+    migration splice into the undisturbed run's tokens and text at the offsets they carry."""
+    import grpc
+
+    from deepinfer_proto import common_pb2, gateway_pb2, gateway_pb2_grpc
+
+    def request(rid: str) -> gateway_pb2.GenerateRequest:
+        params = common_pb2.SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)
+        r = gateway_pb2.GenerateRequest(request_id=rid, params=params)
+        r.token_ids.ids.extend(PROMPT)
+        return r
+
+    def spliced(messages) -> tuple[list[int], str]:
+        tokens, text = [], ""
+        for msg in messages:
+            d = msg.delta
+            assert d.token_offset == len(tokens) and d.text_offset <= len(text)  # no gap, no overlap
+            tokens[d.token_offset :] = d.token_ids
+            text = text[: d.text_offset] + d.text
+        return tokens, text
+
+    with grpc.insecure_channel(f"127.0.0.1:{head.front.grpc_port}") as channel:
+        stub = gateway_pb2_grpc.GatewayStub(channel)
+        undisturbed = list(stub.Generate(request("whole"), timeout=60))
+        before = m.MIGRATIONS.labels("unavailable")._value.get()
+        stream = stub.Generate(request("moved"), timeout=60)
+        got = [next(stream) for _ in range(12)]  # well into the lane's part of the stream
+        taken = COUNTS.taken
+
+        async def end() -> int:
+            outboxes = list(head.worker.core.subscribers.values())
+            for outbox in outboxes:
+                head.worker.core.close_subscription(outbox)
+            return len(outboxes)
+
+        assert asyncio.run_coroutine_threadsafe(end(), head.worker.loop).result(10) == 1
+        got += list(stream)
+    assert spliced(got[:-1]) == spliced(undisturbed[:-1]) and len(spliced(got[:-1])[0]) == 60
+    assert got[-2].delta.finish_reason == "length" and got[-1].usage.completion_tokens == 60
+    assert m.MIGRATIONS.labels("unavailable")._value.get() == before + 1
+    assert COUNTS.taken > taken, "the lane carries the migrated stream too"

@@ -76,7 +76,7 @@ class TurnSource:
             "turns", POOL_COLOCATED, 0, "local", max_model_len=1 << 16, block_size=16, num_blocks=big, max_num_seqs=big
         )
 
-    def generate(self, request_id, prompt, params, timeout, images=()):
+    def generate(self, request_id, prompt, params, timeout, images=(), resumed_tokens=0):
         stream = _Stream(prompt[0], params.max_tokens, params.logprobs)
         self.streams[request_id] = stream
         return self._read(request_id, stream)

@@ -32,8 +32,9 @@ from collections.abc import AsyncIterator
 from typing import Optional, Union
 
 from deepinfer_proto import gateway_pb2
-from services.common.fast_lane import COUNTS, FastLane
+from services.common.fast_lane import COUNTS
 from services.common.messages import fill_delta
+from services.gateway.front_lane import FrontLane
 from services.native import NativeLane
 
 OUTBOX_LIMIT = 64
@@ -65,14 +66,11 @@ def _merged(outbox: deque) -> bytes:
     return msg.SerializeToString()
 
 
-class GrpcLane(FastLane):
-    __slots__ = ("choice", "clock", "request_id", "outbox", "open", "_waiter")
+class GrpcLane(FrontLane):
+    __slots__ = ("request_id", "outbox", "open", "_waiter")
 
     def __init__(self, request_id: str):
         super().__init__()
-        self.choice = None
-        """The request's `Choice`, and its `StreamClock`: set by `GatewayCore.generate`."""
-        self.clock = None
         self.request_id = request_id
         self.outbox: deque[bytes] = deque()
         """Serialized `GenerateResponse`s the lane took, in order, until the handler sends them."""
@@ -104,20 +102,10 @@ class GrpcLane(FastLane):
         self._wake()
 
     def deliver(self, delta) -> None:
-        choice = self.choice
-        choice.add(delta)  # no finish here: it cannot fail
-        self.clock.tick(delta)
+        self.note(delta)
         msg = gateway_pb2.GenerateResponse(request_id=self.request_id)
         fill_delta(msg.delta, delta)
         self.write(msg.SerializeToString())
-
-    def absorb(self, delta, first_at: float, last_at: float) -> None:
-        clock = self.clock
-        if delta is not None:
-            self.choice.add(delta)
-            if clock.first_at is None and delta.token_ids:
-                clock.first_at = first_at
-        clock.last_at = last_at
 
     # ---- the handler's side ---------------------------------------------------------------------
     def _wake(self, _=None) -> None:

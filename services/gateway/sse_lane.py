@@ -24,7 +24,8 @@ from __future__ import annotations
 
 from typing import Optional
 
-from services.common.fast_lane import COUNTS, FastLane
+from services.common.fast_lane import COUNTS
+from services.gateway.front_lane import FrontLane
 from services.native import NativeLane
 
 _UVICORN_CYCLE = "uvicorn.protocols.http.httptools_impl"
@@ -32,14 +33,11 @@ _UVICORN_CYCLE = "uvicorn.protocols.http.httptools_impl"
 h11 (`--http h11`) the framing is h11's own, and the chain writes every event."""
 
 
-class SseLane(FastLane):
-    __slots__ = ("choice", "clock", "render", "_cycle", "_transport", "_flow")
+class SseLane(FrontLane):
+    __slots__ = ("render", "_cycle", "_transport", "_flow")
 
     def __init__(self):
         super().__init__()
-        self.choice = None
-        """The request's `Choice`, and its `StreamClock`: set by `GatewayCore.generate`."""
-        self.clock = None
         self.render = None
         """`StreamChunks.completion` or `.chat` (choice, delta) -> the event's bytes (None: no event);
         set by the event stream once the choice's first event is out."""
@@ -79,17 +77,7 @@ class SseLane(FastLane):
         return not self._transport.is_closing()
 
     def deliver(self, delta) -> None:
-        choice = self.choice
-        choice.add(delta)  # no finish here: it cannot fail
-        self.clock.tick(delta)
-        body = self.render(choice, delta)
+        self.note(delta)
+        body = self.render(self.choice, delta)
         if body:
             self._transport.write(b"%x\r\n%b\r\n" % (len(body), body))
-
-    def absorb(self, delta, first_at: float, last_at: float) -> None:
-        clock = self.clock
-        if delta is not None:
-            self.choice.add(delta)
-            if clock.first_at is None and delta.token_ids:
-                clock.first_at = first_at
-        clock.last_at = last_at

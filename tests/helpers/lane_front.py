@@ -8,10 +8,13 @@ so they see the chunked framing byte for byte.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import socket
 import threading
 import time
+
+import pytest
 
 from deepinfer_core.builtin import TINY_MODEL_DIR
 from deepinfer_core.tokenizer import load_tokenizer
@@ -29,6 +32,56 @@ from services.workers.worker_server import WorkerServer
 
 WAIT_S = 60.0
 """The bound on every wait of these tests."""
+
+
+@contextlib.contextmanager
+def token_source_head(kind: str, step_s: float):
+    """A `LaneHead` over a token source of one token every `step_s`. `kind` "native": the lanes'
+    compiled half takes what it can; "python": as where it is not built (the Python dispatch of the
+    subscription's bytes, no native lanes). `.engine` is the source, `.native` says which kind."""
+    from benchmarks.token_source import TokenSourceEngine, token_source_config
+    from services import native
+    from services.gateway import grpc_lane, sse_lane
+    from services.router import subscription
+
+    if kind == "native" and native.NativeLane is None:
+        pytest.skip("services.native was not built (no C compiler at install)")
+    with pytest.MonkeyPatch.context() as patch:
+        if kind == "python":
+            patch.setattr(sse_lane, "NativeLane", None)
+            patch.setattr(grpc_lane, "NativeLane", None)
+            patch.setattr(subscription, "dispatch", native._dispatch_python)
+        engine = TokenSourceEngine(token_source_config(), step_period_s=step_s, tokens_per_step=1)
+        served = LaneHead(engine=engine)
+        served.engine, served.native = engine, kind == "native"
+        try:
+            yield served
+        finally:
+            served.stop()
+
+
+def concurrently(run, cases: list) -> list:
+    """`run(case)` for every case at once, each on a thread of its own: the results, in order."""
+    out: list = [None] * len(cases)
+
+    def one(i: int) -> None:
+        out[i] = run(cases[i])
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(cases))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(WAIT_S)
+    assert all(o is not None for o in out), "a stream did not end"
+    return out
+
+
+def taken_by(head) -> int:
+    """Deltas taken by the kind of lane `head` runs."""
+    from services import native
+    from services.common.fast_lane import COUNTS
+
+    return native.lanes_taken() if head.native else COUNTS.python_taken
 
 
 class LaneHead:

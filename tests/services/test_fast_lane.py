@@ -13,18 +13,15 @@ leaving mid-stream frees the worker's request, the router's hold and the admissi
 
 import json
 import re
-import threading
 import time
 
 import httpx
 import pytest
 
-from benchmarks.token_source import WORDS, TokenSourceEngine, expected_tokens, token_source_config
-from services import native
+from benchmarks.token_source import WORDS, expected_tokens
 from services.common.fast_lane import COUNTS
-from services.gateway import http_app, sse_lane
-from services.router import subscription
-from tests.helpers.lane_front import WAIT_S, LaneHead, post, read_response
+from services.gateway import http_app
+from tests.helpers.lane_front import WAIT_S, concurrently, post, read_response, taken_by, token_source_head
 
 _LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
 _VOLATILE = re.compile(rb'"id": "(cmpl|chatcmpl)-[0-9a-f]+", "object": "([a-z._]+)", "created": \d+')
@@ -35,26 +32,8 @@ STEP_S = 0.02
 
 @pytest.fixture(scope="module", params=["native", "python"])
 def head(request):
-    """`native`: the compiled half takes what it can; `python`: as where it is not built (the Python
-    dispatch of the subscription's bytes, no native lanes)."""
-    if request.param == "native" and native.NativeLane is None:
-        pytest.skip("services.native was not built (no C compiler at install)")
-    patch = pytest.MonkeyPatch()
-    if request.param == "python":
-        patch.setattr(sse_lane, "NativeLane", None)
-        patch.setattr(subscription, "dispatch", native._dispatch_python)
-    engine = TokenSourceEngine(token_source_config(), step_period_s=STEP_S, tokens_per_step=1)
-    served = LaneHead(engine=engine)
-    served.engine = engine
-    served.native = request.param == "native"
-    yield served
-    served.stop()
-    patch.undo()
-
-
-def _taken_by(head) -> int:
-    """Deltas taken by the kind of lane `head` runs."""
-    return native.lanes_taken() if head.native else COUNTS.python_taken
+    with token_source_head(request.param, STEP_S) as served:
+        yield served
 
 
 @pytest.fixture
@@ -96,18 +75,7 @@ def _stream(head, chat: bool, prompt_id: int, tokens: int, **fields) -> list[byt
 
 
 def _concurrently(head, cases: list[dict]) -> list[list[bytes]]:
-    out: list = [None] * len(cases)
-
-    def one(i: int) -> None:
-        out[i] = _stream(head, **cases[i])
-
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(cases))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(WAIT_S)
-    assert all(o is not None for o in out), "a stream did not end"
-    return out
+    return concurrently(lambda case: _stream(head, **case), cases)
 
 
 CASES = [
@@ -172,9 +140,9 @@ def _content(by_choice: dict) -> dict:
 
 def test_the_lane_carries_the_ordinary_stream_in_order(head):
     tokens = 60
-    taken = _taken_by(head)
+    taken = taken_by(head)
     streams = _concurrently(head, [dict(chat=False, prompt_id=p, tokens=tokens) for p in range(8)])
-    assert _taken_by(head) - taken >= 8 * (tokens // 2), "most tokens should take the lane"
+    assert taken_by(head) - taken >= 8 * (tokens // 2), "most tokens should take the lane"
     for p, events in enumerate(streams):
         objs = [_check_format(e) for e in events[:-1]]
         text = "".join(o["choices"][0]["text"] for o in objs)

@@ -47,6 +47,18 @@ def _complete(head, **fields) -> list[dict]:
         sock.close()
 
 
+def _end_subscriptions(head) -> int:
+    """End the worker's delta subscriptions (as a worker whose stream breaks): how many there were."""
+
+    async def end() -> int:
+        outboxes = list(head.worker.core.subscribers.values())
+        for outbox in outboxes:
+            head.worker.core.close_subscription(outbox)
+        return len(outboxes)
+
+    return asyncio.run_coroutine_threadsafe(end(), head.worker.loop).result(10)
+
+
 def test_a_stop_string_cut_mid_stream_ends_it_as_without_the_lane(head, monkeypatch):
     whole = _text(_complete(head, max_tokens=40))
     start = next(i for i in range(len(whole) // 2, len(whole) - 2) if whole[i : i + 2].strip())
@@ -72,13 +84,7 @@ def test_a_request_whose_subscription_ends_mid_stream_migrates_with_the_undistur
             received += sock.recv(1 << 16)
         taken = COUNTS.taken
 
-        async def end() -> int:
-            outboxes = list(head.worker.core.subscribers.values())
-            for outbox in outboxes:
-                head.worker.core.close_subscription(outbox)
-            return len(outboxes)
-
-        assert asyncio.run_coroutine_threadsafe(end(), head.worker.loop).result(10) == 1
+        assert _end_subscriptions(head) == 1
         sock.settimeout(60)
         while not received.endswith(b"0\r\n\r\n"):
             data = sock.recv(1 << 16)
@@ -141,13 +147,7 @@ def test_a_grpc_stream_whose_subscription_ends_mid_stream_migrates_with_the_undi
         got = [next(stream) for _ in range(12)]  # well into the lane's part of the stream
         taken = COUNTS.taken
 
-        async def end() -> int:
-            outboxes = list(head.worker.core.subscribers.values())
-            for outbox in outboxes:
-                head.worker.core.close_subscription(outbox)
-            return len(outboxes)
-
-        assert asyncio.run_coroutine_threadsafe(end(), head.worker.loop).result(10) == 1
+        assert _end_subscriptions(head) == 1
         got += list(stream)
     assert spliced(got[:-1]) == spliced(undisturbed[:-1]) and len(spliced(got[:-1])[0]) == 60
     assert got[-2].delta.finish_reason == "length" and got[-1].usage.completion_tokens == 60

@@ -11,19 +11,16 @@ chain); the lane does engage; a client that does not read makes it step aside an
 reorders nothing; a client that cancels mid-stream frees the worker's request, the router's hold
 and the admission slot."""
 
-import threading
 import time
 
 import grpc
 import pytest
 
-from benchmarks.token_source import WORDS, TokenSourceEngine, expected_tokens, token_source_config
+from benchmarks.token_source import WORDS, expected_tokens
 from deepinfer_proto import common_pb2, gateway_pb2, gateway_pb2_grpc
-from services import native
 from services.common.fast_lane import COUNTS
-from services.gateway import grpc_lane, grpc_service
-from services.router import subscription
-from tests.helpers.lane_front import WAIT_S, LaneHead
+from services.gateway import grpc_service
+from tests.helpers.lane_front import WAIT_S, concurrently, taken_by, token_source_head
 
 STEP_S = 0.02
 """Slow enough that the head sends every step's message before the next: one token a message in
@@ -32,26 +29,11 @@ every run, so the runs compare message for message."""
 
 @pytest.fixture(scope="module", params=["native", "python"])
 def head(request):
-    if request.param == "native" and native.NativeLane is None:
-        pytest.skip("services.native was not built (no C compiler at install)")
-    patch = pytest.MonkeyPatch()
-    if request.param == "python":
-        patch.setattr(grpc_lane, "NativeLane", None)
-        patch.setattr(subscription, "dispatch", native._dispatch_python)
-    engine = TokenSourceEngine(token_source_config(), step_period_s=STEP_S, tokens_per_step=1)
-    served = LaneHead(engine=engine)
-    served.engine = engine
-    served.native = request.param == "native"
-    served.channel = grpc.insecure_channel(f"127.0.0.1:{served.front.grpc_port}")
-    served.stub = gateway_pb2_grpc.GatewayStub(served.channel)
-    yield served
-    served.channel.close()
-    served.stop()
-    patch.undo()
-
-
-def _taken_by(head) -> int:
-    return native.lanes_taken() if head.native else COUNTS.python_taken
+    with token_source_head(request.param, STEP_S) as served:
+        served.channel = grpc.insecure_channel(f"127.0.0.1:{served.front.grpc_port}")
+        served.stub = gateway_pb2_grpc.GatewayStub(served.channel)
+        yield served
+        served.channel.close()
 
 
 def _request(case: dict) -> gateway_pb2.GenerateRequest:
@@ -72,18 +54,7 @@ def _stream(head, case: dict) -> list[bytes]:
 
 
 def _concurrently(head, cases: list[dict]) -> list[list[bytes]]:
-    out: list = [None] * len(cases)
-
-    def one(i: int) -> None:
-        out[i] = _stream(head, cases[i])
-
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(cases))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(WAIT_S)
-    assert all(o is not None for o in out), "a stream did not end"
-    return out
+    return concurrently(lambda case: _stream(head, case), cases)
 
 
 CASES = [
@@ -137,10 +108,10 @@ def test_concurrent_streams_are_byte_identical_with_and_without_the_lane(head, m
 
 def test_the_lane_carries_the_ordinary_stream_in_order(head):
     tokens = 60
-    taken = _taken_by(head)
+    taken = taken_by(head)
     cases = [dict(request_id=f"o{p}", prompt=[p, 1, 2], max_tokens=tokens) for p in range(8)]
     streams = _concurrently(head, cases)
-    assert _taken_by(head) - taken >= 8 * (tokens // 2), "most tokens should take the lane"
+    assert taken_by(head) - taken >= 8 * (tokens // 2), "most tokens should take the lane"
     for p, messages in enumerate(streams):
         want = expected_tokens([p], tokens)
         ids, text, finish = _content(messages[:-1])

@@ -32,8 +32,9 @@ from collections.abc import AsyncIterator
 from typing import Optional, Union
 
 from deepinfer_proto import gateway_pb2
+from services.common.deltas import merge
 from services.common.fast_lane import COUNTS
-from services.common.messages import fill_delta
+from services.common.messages import delta_from_proto, fill_delta
 from services.gateway.front_lane import FrontLane
 from services.native import NativeLane
 
@@ -50,19 +51,15 @@ def _varint(n: int) -> bytes:
     return bytes(out)
 
 
-def _merged(outbox: deque) -> bytes:
+def _merged(outbox: deque, request_id: str) -> bytes:
     """The messages waiting in `outbox` (consecutive mid-stream deltas of one sample) as one, taken
-    out: a handler that fell behind sends one message for them, as the inbox merges a reader's."""
-    msg = gateway_pb2.GenerateResponse.FromString(outbox.popleft())
-    delta = msg.delta
-    texts = [delta.text]
+    out: a handler that fell behind sends one message for them, merged as the inbox merges a reader's."""
+    parse = gateway_pb2.GenerateResponse.FromString
+    delta = delta_from_proto(parse(outbox.popleft()).delta)
     while outbox:
-        more = gateway_pb2.GenerateResponse.FromString(outbox.popleft()).delta
-        delta.token_ids.extend(more.token_ids)
-        texts.append(more.text)
-        if more.num_cached_tokens > delta.num_cached_tokens:
-            delta.num_cached_tokens = more.num_cached_tokens
-    delta.text = "".join(texts)
+        delta = merge(delta, delta_from_proto(parse(outbox.popleft()).delta))
+    msg = gateway_pb2.GenerateResponse(request_id=request_id)
+    fill_delta(msg.delta, delta)
     return msg.SerializeToString()
 
 
@@ -126,7 +123,7 @@ class GrpcLane(FrontLane):
         try:
             while True:
                 if outbox:
-                    yield outbox.popleft() if len(outbox) == 1 else _merged(outbox)
+                    yield outbox.popleft() if len(outbox) == 1 else _merged(outbox, self.request_id)
                     continue
                 if pending is None:
                     pending = loop.create_task(deltas.__anext__())

@@ -19,7 +19,7 @@ import pytest
 from benchmarks.token_source import WORDS, expected_tokens
 from deepinfer_proto import common_pb2, gateway_pb2, gateway_pb2_grpc
 from services.common.fast_lane import COUNTS
-from services.gateway import grpc_service
+from services.gateway import grpc_lane, grpc_service
 from tests.helpers.lane_front import WAIT_S, concurrently, taken_by, token_source_head
 
 STEP_S = 0.02
@@ -104,6 +104,33 @@ def test_concurrent_streams_are_byte_identical_with_and_without_the_lane(head, m
             assert _content(mine[index]) == _content(theirs[index]), case
             if len(mine[index]) == len(theirs[index]):
                 assert mine[index] == theirs[index], case  # one token a message in both: byte for byte
+
+
+def test_messages_that_wait_together_go_as_one():
+    """A handler that fell behind sends what waited in the outbox as one message: the first's
+    offsets, every token and all the text in order, the sample's cached count."""
+    from collections import deque
+
+    from services.common.deltas import SampleDelta
+    from services.common.messages import fill_delta
+
+    def message(delta: SampleDelta) -> bytes:
+        msg = gateway_pb2.GenerateResponse(request_id="r")
+        fill_delta(msg.delta, delta)
+        return msg.SerializeToString()
+
+    outbox = deque(
+        [
+            message(SampleDelta(0, 7, [11], 20, "ab", num_cached_tokens=4)),
+            message(SampleDelta(0, 8, [12, 13], 22, "é")),
+            message(SampleDelta(0, 10, [14], 23, "", num_cached_tokens=4)),
+        ]
+    )
+    merged = gateway_pb2.GenerateResponse.FromString(grpc_lane._merged(outbox, "r"))
+    assert not outbox and merged.request_id == "r"
+    d = merged.delta
+    assert (d.token_offset, list(d.token_ids), d.text_offset, d.text) == (7, [11, 12, 13, 14], 20, "abé")
+    assert d.num_cached_tokens == 4 and not d.finish_reason
 
 
 def test_the_lane_carries_the_ordinary_stream_in_order(head):

@@ -83,6 +83,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         action="store_true",
         help="the head without the fast lane's compiled half (DEEPINFER_NATIVE_LANE=0), as where it is not built",
     )
+    p.add_argument(
+        "--grpc-server",
+        choices=("h2", "grpcio"),
+        default="h2",
+        help="the gateway's gRPC server (deepinfer serve --grpc-server)",
+    )
     p.add_argument("--quick", action="store_true", help="short windows and few requests (tests)")
     p.add_argument("--json", default=None, help="write every number here")
     p.add_argument(
@@ -109,6 +115,7 @@ def run(args: argparse.Namespace) -> dict:
         clients=args.clients,
         pd=args.pd,
         api_workers=args.api_workers,
+        grpc_server=args.grpc_server,
     )
     if args.profile_head:
         os.environ[PROFILE_HEAD_ENV] = os.path.abspath(args.profile_head)
@@ -150,7 +157,7 @@ def main(argv=None) -> int:
         f"\nService layer, token source ({mode}, {args.workers} worker(s), {args.api_workers} API process(es), "
         f"step {args.step_ms:g} ms, "
         f"{args.tokens_per_step} token(s)/step, {args.max_tokens} tokens/request, "
-        f"stream interval {args.stream_interval}, {lane} lane), "
+        f"stream interval {args.stream_interval}, {lane} lane, gRPC server {args.grpc_server}), "
         f"{platform.machine()}, {os.cpu_count()} CPUs, {when}; window {args.window_s:g} s after {args.warmup_s:g} s\n"
     )
     print("\n".join(report.level_table(results["levels"])))

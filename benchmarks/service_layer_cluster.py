@@ -37,6 +37,8 @@ class LoadOptions:
     pd: bool = False
     api_workers: int = 1
     """API processes of the head (`--api-workers`); their CPU is the head's."""
+    grpc_server: str = "h2"
+    """The gateway's gRPC server (`deepinfer serve --grpc-server`)."""
 
 
 class Cluster:
@@ -47,7 +49,7 @@ class Cluster:
         """Streaming workers (colocated, or decode with --pd) by worker id."""
         self.prefill: dict[str, Child] = {}
         head_args = ["--max-concurrent-requests", str(max_concurrent)] + (["--pd"] if options.pd else [])
-        head_args += ["--api-workers", str(options.api_workers)]
+        head_args += ["--api-workers", str(options.api_workers), "--grpc-server", options.grpc_server]
         self.head = children.start("head", "benchmarks.service_layer_head", head_args)
         info = self.head.expect(120.0)
         self.http_url, self.grpc_address = info["http_url"], info["grpc_address"]

@@ -2,7 +2,7 @@
 one asyncio loop, as `deepinfer serve` runs them, without Ray and without workers of its own
 (`Head.start_front`); token-source workers register at the router address it prints.
 
-    python -m benchmarks.service_layer_head [--pd] [--max-concurrent-requests 4096] [--api-workers N]
+    python -m benchmarks.service_layer_head [--pd] [--max-concurrent-requests 4096] [--api-workers N] [--grpc-server h2]
 
 Prints one JSON line ({"http_url", "grpc_address", "router_address", "api_pids", "cluster_token", "pid"})
 once serving, then serves until its stdin closes. With `--api-workers N` the head starts N - 1 more API
@@ -32,6 +32,7 @@ def head_config(args: argparse.Namespace):
         engine_args=EngineSettings(max_model_len=args.max_model_len),
         max_concurrent_requests=args.max_concurrent_requests,
         api_workers=args.api_workers,
+        grpc_server=args.grpc_server,
         log_level="WARNING",
     )
 
@@ -76,6 +77,7 @@ def main() -> None:
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--max-concurrent-requests", type=int, default=4096)
     parser.add_argument("--api-workers", type=int, default=1, help="API processes on the same ports")
+    parser.add_argument("--grpc-server", choices=("h2", "grpcio"), default="h2", help="the gateway's gRPC server")
     args = parser.parse_args()
     from services.metrics.multiprocess import shared_metrics
 

@@ -227,8 +227,9 @@ def new_server(max_receive_bytes: int = _MAX_MESSAGE, *, cluster_token: str = ""
     return grpc.aio.server(options=options, interceptors=interceptors(cluster_token))
 
 
-def bind(server: grpc.aio.Server, host: str, port: int, credentials: Optional[grpc.ServerCredentials] = None) -> int:
-    """Bind a port (0 = any free port), over TLS with `credentials`, else insecure; returns the port."""
+def bind(server: grpc.aio.Server, host: str, port: int, credentials=None) -> int:
+    """Bind a port (0 = any free port), over TLS with `credentials`, else insecure; returns the port.
+    `credentials`: `grpc.ServerCredentials`, or an `ssl.SSLContext` for an `H2GrpcServer`."""
     address = f"{host}:{port}"
     bound = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
     if bound == 0:
@@ -237,9 +238,13 @@ def bind(server: grpc.aio.Server, host: str, port: int, credentials: Optional[gr
 
 
 def enable_reflection(server: grpc.aio.Server, service_full_names: list[str]) -> None:
-    from grpc_reflection.v1alpha import reflection
+    from grpc_reflection.v1alpha import _async, reflection, reflection_pb2_grpc
 
-    reflection.enable_server_reflection([*service_full_names, reflection.SERVICE_NAME], server)
+    names = [*service_full_names, reflection.SERVICE_NAME]
+    if isinstance(server, grpc.aio.Server):
+        reflection.enable_server_reflection(names, server)
+    else:  # an asyncio server of another kind (`H2GrpcServer`): the asyncio servicer all the same
+        reflection_pb2_grpc.add_ServerReflectionServicer_to_server(_async.ReflectionServicer(names), server)
 
 
 def channel(address: str, options: Optional[list] = None) -> grpc.aio.Channel:

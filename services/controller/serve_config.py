@@ -61,6 +61,8 @@ class HeadConfig:
     """Prompt tokens in flight at once, over every API process; more get 429."""
     max_request_bytes: int = 8 * 1024 * 1024
     """Largest HTTP body and gRPC message the gateway reads."""
+    grpc_server: str = "h2"
+    """The gateway's gRPC server: "h2" (its own HTTP/2, the fast one) or "grpcio" (`grpc.aio`)."""
     api_workers: int = 1
     """API processes serving the same HTTP and gRPC ports (the head and `api_workers` - 1 more), each
     with a gateway and a router of its own: one event loop is then not the limit."""
@@ -139,6 +141,7 @@ class HeadConfig:
             max_concurrent_sequences=self.max_concurrent_sequences,
             max_concurrent_prompt_tokens=self.max_concurrent_prompt_tokens,
             max_request_bytes=self.max_request_bytes,
+            grpc_server=self.grpc_server,
             media=self.media,
             vision=VisionInfo.from_model(self.model_path),
         )

@@ -42,6 +42,9 @@ class GatewayConfig:
     """More prompt tokens in flight than this get 429."""
     max_request_bytes: int = 8 * 1024 * 1024
     """Larger HTTP bodies get 413, larger gRPC messages RESOURCE_EXHAUSTED."""
+    grpc_server: str = "h2"
+    """The gRPC port's server: "h2" (`services/common/h2_grpc`, a message a few µs) or "grpcio"
+    (`grpc.aio`, ~40-57 µs of CPU a streamed message)."""
     tokenizer_threads: int = 2
     """Threads that tokenize and render chat templates, off the event loop."""
     media: media.MediaLimits = media.MediaLimits()

@@ -22,6 +22,13 @@ one when the handler comes back (as every delta did before there was a lane).
 
 Where `services.native` is built, its compiled half writes the same bytes for the same deltas
 straight from the subscription's (`NativeLane(..., grpc=True)`), through `ready` and `write` below.
+
+On the gateway's own HTTP/2 server (`services/common/h2_grpc`) there is no outbox: any task may
+send on a call, so the lane hands each message to the call (`ServerCall.send_now`), which frames it
+on the connection at once, while nothing waits before it on that stream (`can_send_now`: the
+client's windows and the socket have room). The handler then only relays the chain's items, and
+the order holds as for the SSE lane: the chain's reader parks on the empty inbox only once its
+previous item is sent.
 """
 
 from __future__ import annotations
@@ -64,11 +71,13 @@ def _merged(outbox: deque, request_id: str) -> bytes:
 
 
 class GrpcLane(FrontLane):
-    __slots__ = ("request_id", "outbox", "open", "_waiter")
+    __slots__ = ("request_id", "outbox", "open", "_waiter", "_call")
 
-    def __init__(self, request_id: str):
+    def __init__(self, request_id: str, call=None):
+        """`call`: the `ServerCall` of an `H2GrpcServer` to hand messages to (None: `grpc.aio`, the outbox)."""
         super().__init__()
         self.request_id = request_id
+        self._call = call
         self.outbox: deque[bytes] = deque()
         """Serialized `GenerateResponse`s the lane took, in order, until the handler sends them."""
         self.open = False
@@ -80,14 +89,23 @@ class GrpcLane(FrontLane):
             self.native = NativeLane(self, None, None, head, b"", grpc=True)
 
     @classmethod
-    def for_request(cls, request_id: str, params) -> Optional[GrpcLane]:
-        """A lane for a request of one sample without logprobs (the bulk of streams); None otherwise."""
+    def for_request(cls, request_id: str, params, context) -> Optional[GrpcLane]:
+        """A lane for a request of one sample without logprobs (the bulk of streams); None otherwise.
+        `context`: the handler's (a call of the gateway's own server takes messages directly)."""
         if params.n != 1 or params.logprobs is not None:
             return None
-        return cls(request_id)
+        return cls(request_id, context if hasattr(context, "send_now") else None)
 
     # ---- what the lanes call ------------------------------------------------------------------
     def ready(self) -> bool:
+        call = self._call
+        if call is not None:
+            if not self.open:
+                return False
+            if call.can_send_now():
+                return True
+            COUNTS.paused += 1  # the client's windows or the socket hold the stream back
+            return False
         if len(self.outbox) >= OUTBOX_LIMIT:
             COUNTS.paused += 1  # the handler is held (a client that does not read)
             return False
@@ -95,6 +113,9 @@ class GrpcLane(FrontLane):
 
     def write(self, message: bytes) -> None:
         """One serialized `GenerateResponse` for the handler (the native half calls this too)."""
+        if self._call is not None:
+            self._call.send_now(message)
+            return
         self.outbox.append(message)
         self._wake()
 
@@ -117,6 +138,10 @@ class GrpcLane(FrontLane):
         """`deltas` (the request's `GatewayCore.generate`, given this lane) with what the lane took
         in between, in order: bytes (a `GenerateResponse` to send as it is) or the chain's
         (choice, delta). Closing it closes `deltas` (which aborts the request upstream)."""
+        if self._call is not None:
+            async for item in self._relay(deltas):
+                yield item
+            return
         loop = asyncio.get_running_loop()
         outbox = self.outbox
         pending = None
@@ -148,4 +173,14 @@ class GrpcLane(FrontLane):
                     await asyncio.wait((pending,))
                 if not pending.cancelled():
                     pending.exception()  # the stream is over: what it raised goes no further (nor to the log)
+            await deltas.aclose()
+
+    async def _relay(self, deltas: AsyncIterator) -> AsyncIterator[tuple]:
+        """`deltas` as they come: the lane sends what it takes itself (a call that takes messages directly)."""
+        try:
+            async for item in deltas:
+                yield item
+                self.open = True  # the stream's first message is out
+        finally:
+            self.open = False
             await deltas.aclose()

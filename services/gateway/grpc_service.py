@@ -65,7 +65,7 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
         try:
             choices = {}
             response = gateway_pb2.GenerateResponse
-            lane = GrpcLane.for_request(request_id, params)
+            lane = GrpcLane.for_request(request_id, params, context)
             stream = core.generate([prompt], params, request_id, images, lane=lane)
             if lane is not None:
                 stream = lane.messages(stream)

@@ -35,10 +35,11 @@ WAIT_S = 60.0
 
 
 @contextlib.contextmanager
-def token_source_head(kind: str, step_s: float):
+def token_source_head(kind: str, step_s: float, grpc_server: str = "h2"):
     """A `LaneHead` over a token source of one token every `step_s`. `kind` "native": the lanes'
     compiled half takes what it can; "python": as where it is not built (the Python dispatch of the
-    subscription's bytes, no native lanes). `.engine` is the source, `.native` says which kind."""
+    subscription's bytes, no native lanes). `grpc_server`: the gateway's ("h2" or "grpcio").
+    `.engine` is the source, `.native` says which kind."""
     from benchmarks.token_source import TokenSourceEngine, token_source_config
     from services import native
     from services.gateway import grpc_lane, sse_lane
@@ -52,7 +53,7 @@ def token_source_head(kind: str, step_s: float):
             patch.setattr(grpc_lane, "NativeLane", None)
             patch.setattr(subscription, "dispatch", native._dispatch_python)
         engine = TokenSourceEngine(token_source_config(), step_period_s=step_s, tokens_per_step=1)
-        served = LaneHead(engine=engine)
+        served = LaneHead(engine=engine, grpc_server=grpc_server)
         served.engine, served.native = engine, kind == "native"
         try:
             yield served
@@ -85,8 +86,10 @@ def taken_by(head) -> int:
 
 
 class LaneHead:
-    def __init__(self, engine=None, engine_args=None, model_len: int = 8192):
-        """`engine`: a stand-in engine for the worker (None: the embedded model with `engine_args`)."""
+    def __init__(self, engine=None, engine_args=None, model_len: int = 8192, grpc_server: str = "h2"):
+        """`engine`: a stand-in engine for the worker (None: the embedded model with `engine_args`);
+        `grpc_server`: the gateway's gRPC server ("h2" or "grpcio")."""
+        self.grpc_server = grpc_server
         kw = {"engine_args": engine_args} if engine_args is not None else {}
         self.worker = WorkerServer(WorkerSpec("lane-w0", POOL_COLOCATED, metrics=False, **kw), engine=engine)
         self.worker.start(timeout_s=WAIT_S)
@@ -104,7 +107,7 @@ class LaneHead:
         registry = PoolRegistry(lambda info: GrpcWorkerClient(info))
         await registry.add(self.worker.info)
         self.router = RouterCore(registry, RouterConfig(pools=(POOL_COLOCATED,)), "m")
-        config = GatewayConfig("m", self.model_len)
+        config = GatewayConfig("m", self.model_len, grpc_server=self.grpc_server)
         self.core = GatewayCore(config, load_tokenizer(TINY_MODEL_DIR), LocalRouterClient(self.router))
         self.front = GatewayFront(self.core, gateway_pb2_grpc.ClusterServicer())
         self.front.bind("127.0.0.1", 0, 0)

@@ -2,8 +2,10 @@
 worker server over gRPC read through the router's delta subscription, the router and gateway in one
 process, `deepinfer.v1.Gateway/Generate` over gRPC on 127.0.0.1.
 
-Every test runs twice: with the lane's compiled half (`services/native`, where it is built) taking
-the ordinary deltas, and with the Python lane alone (the fallback where it is not built).
+The tests run on the gateway's own HTTP/2 server (`services/common/h2_grpc`, where the lane hands
+each message to its call), with the lane's compiled half (`services/native`, where it is built)
+taking the ordinary deltas and with the Python lane alone (the fallback where it is not built); and
+on `grpc.aio` (`--grpc-server grpcio`, where the lane's messages wait in an outbox for the handler).
 
 What a client receives with the lane is what it receives without it, message for message and byte
 for byte (text, token ids, chat, stop strings cut mid-stream, n > 1 and logprobs, which keep the
@@ -27,9 +29,10 @@ STEP_S = 0.02
 every run, so the runs compare message for message."""
 
 
-@pytest.fixture(scope="module", params=["native", "python"])
+@pytest.fixture(scope="module", params=["native-h2", "python-h2", "native-grpcio"])
 def head(request):
-    with token_source_head(request.param, STEP_S) as served:
+    kind, server = request.param.split("-")
+    with token_source_head(kind, STEP_S, server) as served:
         served.channel = grpc.insecure_channel(f"127.0.0.1:{served.front.grpc_port}")
         served.stub = gateway_pb2_grpc.GatewayStub(served.channel)
         yield served
@@ -93,7 +96,7 @@ def test_concurrent_streams_are_byte_identical_with_and_without_the_lane(head, m
     with_lane = _concurrently(head, CASES)
     assert COUNTS.taken - taken > 40, "the lane never engaged"
     with monkeypatch.context() as m:
-        m.setattr(grpc_service.GrpcLane, "for_request", classmethod(lambda cls, request_id, params: None))
+        m.setattr(grpc_service.GrpcLane, "for_request", classmethod(lambda cls, *_: None))
         taken = COUNTS.taken
         reference = _concurrently(head, CASES)
         assert COUNTS.taken == taken
@@ -148,9 +151,10 @@ def test_the_lane_carries_the_ordinary_stream_in_order(head):
 
 
 def test_a_client_that_does_not_read_gets_every_message_in_order(head):
-    """The client does not read while the stream outgrows HTTP/2's flow-control window: grpc holds
-    the handler, the lane's outbox fills and the lane steps aside (the deltas after wait in the
-    inbox, merged); every token arrives, in order."""
+    """The client does not read while the stream outgrows HTTP/2's flow-control window: the server
+    holds the handler, the lane steps aside (on `grpc.aio` once its outbox fills; on the gateway's
+    own server once a message waits for the window), the deltas after wait in the inbox, merged;
+    every token arrives, in order."""
     tokens, paused = 3000, COUNTS.paused
     head.engine.step_period_s = 0.002
     options = [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 1024)]

@@ -1,0 +1,6 @@
+"""A gRPC server on HTTP/2 of its own (the `h2` state machine, asyncio), for a front door whose
+streamed messages are many and small: `server.py` says why and what it serves."""
+
+from services.common.h2_grpc.server import H2GrpcServer
+
+__all__ = ["H2GrpcServer"]

@@ -1,0 +1,117 @@
+"""`H2GrpcServer`: a gRPC server for asyncio on an HTTP/2 implementation of its own (`connection.py`).
+
+Why: through `grpc.aio`, each message of a server stream costs its handler ~40-57 µs of CPU (a
+batch operation, a completion-queue event, its thread's hand-off to the event loop), whatever the
+message's size. A front door that streams one message per generated token spends most of its CPU
+there. Here a message is a DATA frame appended to its connection's buffer (3.7 µs a message in all
+on the 2-core machine, `docs/benchmarks.md`), and a fast lane can hand one over already serialized.
+
+It serves what the services register on a `grpc.aio.Server` the same way (the generated
+`add_*Servicer_to_server` and `grpc.method_handlers_generic_handler`), with the four kinds of
+method, status codes and details, initial and trailing metadata, `grpc-timeout`, cancellation by
+the client, compressed requests (gzip, deflate), a receive-size limit, TLS (ALPN h2), and a stop
+that lets calls in flight finish. Server interceptors are not supported.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from typing import Optional
+
+import grpc
+
+from services.common.h2_grpc.connection import GrpcConnection
+
+
+class _CallDetails(grpc.HandlerCallDetails):
+    def __init__(self, method: str, invocation_metadata):
+        self.method = method
+        self.invocation_metadata = invocation_metadata
+
+
+class H2GrpcServer:
+    def __init__(self, max_receive_bytes: int = 4 * 1024 * 1024):
+        self.max_receive_bytes = max_receive_bytes
+        self.connections: set[GrpcConnection] = set()
+        self._registered: dict[str, grpc.RpcMethodHandler] = {}
+        self._generic: list = []
+        self._sockets: list[tuple[socket.socket, object]] = []
+        self._servers: list[asyncio.AbstractServer] = []
+
+    # ---- what grpc's generated code and reflection call -----------------------------------------
+    def add_generic_rpc_handlers(self, handlers) -> None:
+        self._generic.extend(handlers)
+
+    def add_registered_method_handlers(self, service: str, handlers: dict) -> None:
+        for name, handler in handlers.items():
+            self._registered[f"/{service}/{name}"] = handler
+
+    def lookup(self, method: str, metadata) -> Optional[grpc.RpcMethodHandler]:
+        handler = self._registered.get(method)
+        if handler is not None:
+            return handler
+        details = _CallDetails(method, metadata)
+        for generic in self._generic:
+            handler = generic.service(details)
+            if handler is not None:
+                return handler
+        return None
+
+    # ---- ports ----------------------------------------------------------------------------------------
+    def add_insecure_port(self, address: str) -> int:
+        return self._bind(address, None)
+
+    def add_secure_port(self, address: str, ssl_context) -> int:
+        """`ssl_context`: an `ssl.SSLContext` for the server side (ALPN is set to h2 here)."""
+        ssl_context.set_alpn_protocols(["h2"])
+        return self._bind(address, ssl_context)
+
+    def _bind(self, address: str, ssl_context) -> int:
+        """Bind (SO_REUSEPORT, as grpc does on Linux: several API processes share a port); 0 on failure."""
+        host, _, port = address.rpartition(":")
+        host = host.strip("[]") or "0.0.0.0"
+        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if hasattr(socket, "SO_REUSEPORT"):
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        try:
+            sock.bind((host, int(port)))
+        except OSError:
+            sock.close()
+            return 0
+        self._sockets.append((sock, ssl_context))
+        return sock.getsockname()[1]
+
+    # ---- life --------------------------------------------------------------------------------------------
+    async def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        for sock, ssl_context in self._sockets:
+            sock.listen(1024)
+            server = await loop.create_server(lambda: GrpcConnection(self), sock=sock, ssl=ssl_context)
+            self._servers.append(server)
+
+    async def stop(self, grace: Optional[float]) -> None:
+        """Take no new connections nor calls; give the calls in flight `grace` seconds, then end them."""
+        for server in self._servers:
+            server.close()
+        for conn in list(self.connections):
+            conn.go_away()
+        if grace:
+            tasks = [c.task for conn in self.connections for c in conn.calls.values() if c.task is not None]
+            tasks = [t for t in tasks if not t.done()]
+            if tasks:
+                await asyncio.wait(tasks, timeout=grace)
+            await asyncio.sleep(0)  # the last statuses leave
+        for conn in list(self.connections):
+            conn.close()
+        for server in self._servers:
+            await server.wait_closed()
+        self._servers.clear()
+
+    async def wait_for_termination(self, timeout: Optional[float] = None) -> bool:
+        servers = [asyncio.ensure_future(s.serve_forever()) for s in self._servers]
+        if not servers:
+            return True
+        done, _ = await asyncio.wait(servers, timeout=timeout)
+        return bool(done)

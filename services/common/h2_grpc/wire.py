@@ -1,0 +1,60 @@
+"""gRPC over HTTP/2 on the wire: the length-prefixed message, raw DATA and GOAWAY frames, the
+`grpc-timeout` header, and the percent-encoded `grpc-message`."""
+
+from __future__ import annotations
+
+import re
+import zlib
+from typing import Optional
+
+MESSAGE_PREFIX = 5
+"""A message's prefix: a compressed flag (1 byte) and its length (4 bytes, big-endian)."""
+FRAME_HEADER = 9
+DATA, GOAWAY = 0x0, 0x7
+
+
+def data_frame(stream_id: int, payload) -> bytes:
+    """One DATA frame of `payload` (no flags): the caller has checked the flow-control windows and the
+    peer's maximum frame size."""
+    return len(payload).to_bytes(3, "big") + b"\x00\x00" + stream_id.to_bytes(4, "big") + payload
+
+
+def message(payload: bytes) -> bytes:
+    """A serialized message as gRPC frames it (uncompressed)."""
+    return b"\x00" + len(payload).to_bytes(4, "big") + payload
+
+
+def goaway_frame(last_stream_id: int) -> bytes:
+    """GOAWAY (NO_ERROR): the peer opens no new streams; those up to `last_stream_id` finish. Written
+    beside the `h2` state machine, which would refuse every send on the connection after its own."""
+    return (8).to_bytes(3, "big") + bytes([GOAWAY, 0]) + b"\x00" * 4 + last_stream_id.to_bytes(4, "big") + b"\x00" * 4
+
+
+_TIMEOUT = re.compile(r"^(\d{1,8})([HMSmun])$")
+_UNIT_S = {"H": 3600.0, "M": 60.0, "S": 1.0, "m": 1e-3, "u": 1e-6, "n": 1e-9}
+
+
+def timeout_s(value: str) -> Optional[float]:
+    """`grpc-timeout` (e.g. "250m") in seconds; None when it is not one."""
+    m = _TIMEOUT.match(value)
+    return int(m.group(1)) * _UNIT_S[m.group(2)] if m else None
+
+
+def encode_details(details: str) -> str:
+    """`grpc-message`: UTF-8, with '%' and bytes outside printable ASCII percent-encoded."""
+    out = []
+    for b in details.encode("utf-8"):
+        out.append(chr(b) if 0x20 <= b <= 0x7E and b != 0x25 else f"%{b:02X}")
+    return "".join(out)
+
+
+def decompress(encoding: str, data: bytes) -> bytes:
+    """A compressed message's bytes (`grpc-encoding` gzip or deflate); ValueError otherwise."""
+    if encoding == "gzip":
+        return zlib.decompress(data, 16 + zlib.MAX_WBITS)
+    if encoding == "deflate":
+        return zlib.decompress(data)
+    raise ValueError(f"messages compressed with {encoding!r} are not accepted")
+
+
+ACCEPT_ENCODING = "identity,deflate,gzip"

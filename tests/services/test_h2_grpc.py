@@ -1,0 +1,300 @@
+"""The gateway's own gRPC server (`services/common/h2_grpc`) against grpc's own clients over
+127.0.0.1: the four kinds of method, statuses with details and metadata, deadlines, cancellation,
+flow control both ways, compression, the size limit, reflection, a stop that lets calls finish, and
+many streams on one connection."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+
+import grpc
+import pytest
+
+from services.common.grpc_util import enable_reflection
+from services.common.h2_grpc import H2GrpcServer
+
+WAIT_S = 30.0
+LIMIT = 1 << 20
+
+
+def _same(x):
+    return x
+
+
+class _Handlers:
+    """The test service `t.T`; what its handlers saw, for the tests to check."""
+
+    def __init__(self):
+        self.seen: dict = {}
+        self.sent = 0
+        self.cancelled: list[str] = []
+        self.release = None  # asyncio.Event, made on the server's loop
+
+    async def echo(self, request, context):
+        self.seen["metadata"] = dict(context.invocation_metadata())
+        self.seen["time_remaining"] = context.time_remaining()
+        return b"echo:" + request
+
+    async def count(self, request, context):
+        """As many messages as the request says (`n[:size]`), each its index padded to `size`."""
+        n, _, size = request.partition(b":")
+        try:
+            for i in range(int(n)):
+                self.sent = i + 1
+                yield str(i).encode().ljust(int(size or 0), b".")
+        finally:
+            if self.sent < int(n):  # cancelled, or closed by the server while it was sending
+                self.cancelled.append("count")
+
+    async def upper(self, requests, context):
+        async for r in requests:
+            yield r.upper()
+
+    async def join(self, requests, context):
+        return b"+".join([r async for r in requests])
+
+    async def refuse(self, request, context):
+        await context.send_initial_metadata((("x-first", "1"),))
+        await context.abort(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "no such thing: é 100%",
+            trailing_metadata=(("retry-after", "3"), ("x-raw-bin", b"\x00\xff")),
+        )
+
+    async def crash(self, request, context):
+        raise RuntimeError("boom")
+
+    async def wait(self, request, context):
+        try:
+            await self.release.wait()
+        except asyncio.CancelledError:
+            self.cancelled.append("wait")
+            raise
+        return b"released"
+
+    def unimplemented(self, request, context):  # what a generated servicer's base method does
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details("Method not implemented!")
+        raise NotImplementedError("Method not implemented!")
+
+
+class _Served:
+    def __init__(self):
+        self.handlers = _Handlers()
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.server = self.start_server()
+        self.address = f"127.0.0.1:{self.port}"
+
+    def call(self, coro):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(WAIT_S)
+
+    def start_server(self) -> H2GrpcServer:
+        h = self.handlers
+
+        async def start():
+            h.release = asyncio.Event()
+            server = H2GrpcServer(max_receive_bytes=LIMIT)
+            methods = {
+                "Echo": grpc.unary_unary_rpc_method_handler(h.echo, _same, _same),
+                "Count": grpc.unary_stream_rpc_method_handler(h.count, _same, _same),
+                "Upper": grpc.stream_stream_rpc_method_handler(h.upper, _same, _same),
+                "Join": grpc.stream_unary_rpc_method_handler(h.join, _same, _same),
+                "Refuse": grpc.unary_unary_rpc_method_handler(h.refuse, _same, _same),
+                "Crash": grpc.unary_unary_rpc_method_handler(h.crash, _same, _same),
+                "Wait": grpc.unary_unary_rpc_method_handler(h.wait, _same, _same),
+                "Unimplemented": grpc.unary_unary_rpc_method_handler(h.unimplemented, _same, _same),
+            }
+            server.add_registered_method_handlers("t.T", methods)
+            enable_reflection(server, ["t.T"])
+            self.port = server.add_insecure_port("127.0.0.1:0")
+            await server.start()
+            return server
+
+        return self.call(start())
+
+    def close(self) -> None:
+        self.call(self.server.stop(0))
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+
+@pytest.fixture(scope="module")
+def served():
+    s = _Served()
+    yield s
+    s.close()
+
+
+@pytest.fixture
+def channel(served):
+    with grpc.insecure_channel(served.address) as ch:
+        yield ch
+
+
+def _method(channel, name: str, kind: str = "unary_unary"):
+    return getattr(channel, kind)(f"/t.T/{name}", request_serializer=_same, response_deserializer=_same)
+
+
+def test_the_four_kinds_of_method(served, channel):
+    assert _method(channel, "Echo")(b"hi", timeout=WAIT_S) == b"echo:hi"
+    got = list(_method(channel, "Count", "unary_stream")(b"500", timeout=WAIT_S))
+    assert got == [str(i).encode() for i in range(500)]
+    assert list(_method(channel, "Upper", "stream_stream")(iter([b"a", b"bc"]), timeout=WAIT_S)) == [b"A", b"BC"]
+    assert _method(channel, "Join", "stream_unary")(iter([b"x", b"y", b"z"]), timeout=WAIT_S) == b"x+y+z"
+    assert served.handlers.seen["time_remaining"] is not None and 0 < served.handlers.seen["time_remaining"] <= WAIT_S
+
+
+def test_metadata_both_ways_and_a_status_with_details(served, channel):
+    reply = _method(channel, "Echo")(b"", metadata=(("authorization", "Bearer k"), ("x-id-bin", b"\x01\x02")))
+    assert reply == b"echo:"
+    seen = served.handlers.seen["metadata"]
+    assert seen["authorization"] == "Bearer k" and seen["x-id-bin"] == b"\x01\x02"
+    with pytest.raises(grpc.RpcError) as e:
+        _method(channel, "Refuse")(b"", timeout=WAIT_S)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert e.value.details() == "no such thing: é 100%"
+    assert dict(e.value.initial_metadata())["x-first"] == "1"
+    trailing = dict(e.value.trailing_metadata())
+    assert trailing["retry-after"] == "3" and trailing["x-raw-bin"] == b"\x00\xff"
+
+
+def test_failures_become_statuses(channel):
+    cases = {
+        "Crash": (grpc.StatusCode.UNKNOWN, "boom"),
+        "Unimplemented": (grpc.StatusCode.UNIMPLEMENTED, "Method not implemented!"),
+        "NoSuchMethod": (grpc.StatusCode.UNIMPLEMENTED, "/t.T/NoSuchMethod"),
+    }
+    for name, (code, words) in cases.items():
+        with pytest.raises(grpc.RpcError) as e:
+            _method(channel, name)(b"", timeout=WAIT_S)
+        assert e.value.code() == code and words in e.value.details(), name
+
+
+def test_the_size_limit_and_compressed_requests(channel):
+    with pytest.raises(grpc.RpcError) as e:
+        _method(channel, "Echo")(b"x" * (LIMIT + 1), timeout=WAIT_S)
+    assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and str(LIMIT) in e.value.details()
+    big = bytes(range(256)) * 3000  # 768 KB: many DATA frames, past the default windows
+    assert _method(channel, "Echo")(big, timeout=WAIT_S) == b"echo:" + big
+    text = b"compressible " * 10_000
+    assert _method(channel, "Echo")(text, timeout=WAIT_S, compression=grpc.Compression.Gzip) == b"echo:" + text
+
+
+def test_large_responses_are_framed_within_the_peer_limits(channel):
+    got = list(_method(channel, "Count", "unary_stream")(b"40:100000", timeout=WAIT_S))  # 4 MB in 100 KB messages
+    assert [g.rstrip(b".") for g in got] == [str(i).encode() for i in range(40)] and {len(g) for g in got} == {100000}
+
+
+def test_a_deadline_ends_the_call_and_cancels_its_handler(served, channel):
+    start = time.monotonic()
+    with pytest.raises(grpc.RpcError) as e:
+        _method(channel, "Wait")(b"", timeout=0.3)
+    assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED and time.monotonic() - start < 5
+    deadline = time.monotonic() + WAIT_S
+    while "wait" not in served.handlers.cancelled:
+        assert time.monotonic() < deadline, "the handler was not cancelled"
+        time.sleep(0.02)
+
+
+def test_a_client_that_cancels_cancels_the_handler(served, channel):
+    stream = _method(channel, "Count", "unary_stream")(b"100000000:64", timeout=WAIT_S)
+    for i, _ in enumerate(stream):
+        if i == 100:
+            break
+    stream.cancel()
+    deadline = time.monotonic() + WAIT_S
+    while "count" not in served.handlers.cancelled:
+        assert time.monotonic() < deadline, "the handler was not cancelled"
+        time.sleep(0.02)
+    calls = served.call(_open_calls(served.server))
+    assert calls == 0, "the cancelled call is still held"
+
+
+async def _open_calls(server) -> int:
+    return sum(len(c.calls) for c in server.connections)
+
+
+def test_a_client_that_does_not_read_holds_the_handler(served):
+    """HTTP/2 flow control: with the client's window full, the handler waits; once the client reads,
+    every message arrives, in order."""
+    options = [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 1024)]
+    with grpc.insecure_channel(served.address, options=options) as ch:
+        stream = _method(ch, "Count", "unary_stream")(b"3000:1000", timeout=WAIT_S)  # 3 MB
+        first = next(stream)
+        time.sleep(0.5)
+        held = served.handlers.sent
+        assert held < 3000, "the handler was not held back by the client's window"
+        time.sleep(0.3)
+        assert served.handlers.sent == held, "the handler ran on while the client did not read"
+        rest = list(stream)
+    assert [m.rstrip(b".") for m in [first, *rest]] == [str(i).encode() for i in range(3000)]
+
+
+def test_many_streams_on_one_connection(channel):
+    """300 streams at once on one connection: each gets its own messages, in order."""
+    count = _method(channel, "Count", "unary_stream")
+    calls = [count(b"%d:8" % (50 + i % 7), timeout=WAIT_S) for i in range(300)]
+    for i, call in enumerate(calls):
+        assert [m.rstrip(b".") for m in call] == [str(k).encode() for k in range(50 + i % 7)]
+
+
+def test_reflection_lists_the_services(channel):
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+    replies = list(stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")])))
+    names = {s.name for s in replies[0].list_services_response.service}
+    assert names == {"t.T", "grpc.reflection.v1alpha.ServerReflection"}
+
+
+def test_bytes_that_are_not_http2_close_only_their_connection(served, channel):
+    with socket.create_connection(("127.0.0.1", served.port), timeout=WAIT_S) as sock:
+        sock.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n" + b"\x00" * 100)
+        sock.settimeout(WAIT_S)
+        while sock.recv(1 << 16):  # the server answers with GOAWAY, then closes
+            pass
+    assert _method(channel, "Echo")(b"still", timeout=WAIT_S) == b"echo:still"
+
+
+def test_a_stop_lets_calls_in_flight_finish():
+    s = _Served()
+    try:
+        with grpc.insecure_channel(s.address) as ch:
+            future = _method(ch, "Wait").future(b"", timeout=WAIT_S)
+            deadline = time.monotonic() + WAIT_S
+            while s.call(_open_calls(s.server)) == 0:
+                assert time.monotonic() < deadline
+                time.sleep(0.02)
+            stopping = asyncio.run_coroutine_threadsafe(s.server.stop(WAIT_S), s.loop)
+            time.sleep(0.2)
+            with pytest.raises(OSError):  # no new connections
+                socket.create_connection(("127.0.0.1", s.port), timeout=2).close()
+            s.loop.call_soon_threadsafe(s.handlers.release.set)
+            assert future.result(WAIT_S) == b"released"
+            stopping.result(WAIT_S)
+    finally:
+        s.loop.call_soon_threadsafe(s.loop.stop)
+        s.thread.join(10)
+
+
+def test_calls_still_running_when_the_grace_ends_are_told_so():
+    s = _Served()
+    try:
+        with grpc.insecure_channel(s.address) as ch:
+            future = _method(ch, "Wait").future(b"", timeout=WAIT_S)
+            deadline = time.monotonic() + WAIT_S
+            while s.call(_open_calls(s.server)) == 0:
+                assert time.monotonic() < deadline
+                time.sleep(0.02)
+            s.call(s.server.stop(0.2))
+            with pytest.raises(grpc.RpcError) as e:
+                future.result(WAIT_S)
+            assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+    finally:
+        s.loop.call_soon_threadsafe(s.loop.stop)
+        s.thread.join(10)

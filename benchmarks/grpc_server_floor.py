@@ -1,0 +1,143 @@
+"""What a gRPC server itself costs a streamed message: `grpc.aio`'s server against the gateway's own
+(`services/common/h2_grpc`), each serving one server-streaming method whose handler only relays
+ready bytes, one message a tick to every open stream (as a decode step gives each stream a token).
+grpc's own asyncio clients read the streams in processes of their own.
+
+    python -m benchmarks.grpc_server_floor [--streams 1024] [--messages 200] [--step-ms 20]
+
+Prints, for each server, the messages delivered, the server process's CPU time per message (from
+/proc), the clients' per message, and the ratio of the two servers' figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import multiprocessing as mp
+import os
+import platform
+import time
+
+import grpc
+
+from benchmarks.service_layer_procs import cpu_delta, cpu_times
+
+MESSAGE = b"\x0a\x20" + b"r" * 32 + b"\x12\x12\x08\x05\x12\x02\x81\x01\x18\x07\x22\x06 hello"
+"""About a `GenerateResponse` of one token: its request id, offsets, the token and its text."""
+METHOD = "/bench.Floor/Stream"
+
+
+def _same(x):
+    return x
+
+
+def _server_main(kind: str, messages: int, step_s: float, ready, port_box, stop) -> None:
+    import uvloop
+
+    from services.common.h2_grpc import H2GrpcServer
+
+    async def main() -> None:
+        tick = [asyncio.Event()]
+
+        async def stream(request, context):
+            for _ in range(messages):
+                await tick[0].wait()
+                yield MESSAGE
+
+        handler = grpc.unary_stream_rpc_method_handler(stream, _same, _same)
+        server = grpc.aio.server() if kind == "grpcio" else H2GrpcServer()
+        server.add_registered_method_handlers("bench.Floor", {"Stream": handler})
+        port_box.value = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        ready.set()
+        while not stop.is_set():
+            await asyncio.sleep(step_s)
+            event, tick[0] = tick[0], asyncio.Event()
+            event.set()
+        await server.stop(0)
+
+    uvloop.run(main())
+
+
+def _client_main(port: int, streams: int, go, results) -> None:
+    import uvloop
+
+    async def main() -> None:
+        channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+        method = channel.unary_stream(METHOD, request_serializer=_same, response_deserializer=_same)
+        go.wait()
+
+        async def one() -> int:
+            return sum([1 async for _ in method(b"")])
+
+        cpu = time.process_time()
+        counts = await asyncio.gather(*[one() for _ in range(streams)])
+        results.put((sum(counts), time.process_time() - cpu))
+        await channel.close()
+
+    uvloop.run(main())
+
+
+def measure(kind: str, streams: int, messages: int, step_s: float, clients: int) -> dict:
+    ctx = mp.get_context("spawn")
+    ready, stop, go = ctx.Event(), ctx.Event(), ctx.Event()
+    port, results = ctx.Value("i", 0), ctx.Queue()
+    server = ctx.Process(target=_server_main, args=(kind, messages, step_s, ready, port, stop), daemon=True)
+    server.start()
+    if not ready.wait(60):
+        raise RuntimeError(f"the {kind} server did not start")
+    per = [streams // clients + (i < streams % clients) for i in range(clients)]
+    procs = [ctx.Process(target=_client_main, args=(port.value, n, go, results), daemon=True) for n in per]
+    for p in procs:
+        p.start()
+    time.sleep(2.0)  # the clients' imports and channels
+    cpu0, t0 = cpu_times(server.pid), time.monotonic()
+    go.set()
+    done = [results.get(timeout=600) for _ in procs]
+    cpu1, t1 = cpu_times(server.pid), time.monotonic()
+    stop.set()
+    server.join(10)
+    for p in procs:
+        p.join(10)
+    delivered = sum(d[0] for d in done)
+    if delivered != streams * messages:
+        raise RuntimeError(f"{kind}: {delivered} messages delivered of {streams * messages}")
+    return {
+        "server": kind,
+        "messages": delivered,
+        "seconds": t1 - t0,
+        "server_us": cpu_delta(cpu0, cpu1) / delivered * 1e6,
+        "clients_us": sum(d[1] for d in done) / delivered * 1e6,
+    }
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--streams", type=int, default=1024)
+    p.add_argument("--messages", type=int, default=200, help="messages per stream")
+    p.add_argument("--step-ms", type=float, default=20.0, help="one message to every stream this often")
+    p.add_argument("--clients", type=int, default=2, help="client processes")
+    p.add_argument("--servers", default="grpcio,h2")
+    args = p.parse_args(argv)
+    rows = [
+        measure(kind, args.streams, args.messages, args.step_ms / 1e3, args.clients) for kind in args.servers.split(",")
+    ]
+    when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    print(
+        f"\ngRPC server floor: {args.streams} streams x {args.messages} messages, a tick every {args.step_ms:g} ms, "
+        f"{args.clients} client processes; {platform.machine()}, {os.cpu_count()} CPUs, {when}\n"
+    )
+    print("| server | messages | messages/s | server µs/message | clients µs/message |")
+    print("|---|---:|---:|---:|---:|")
+    for r in rows:
+        rate = r["messages"] / r["seconds"]
+        print(f"| {r['server']} | {r['messages']} | {rate:,.0f} | {r['server_us']:.1f} | {r['clients_us']:.1f} |")
+    if len(rows) == 2:
+        print(
+            f"\n{rows[1]['server']} / {rows[0]['server']} server CPU per message: {rows[1]['server_us'] / rows[0]['server_us']:.2f}x"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

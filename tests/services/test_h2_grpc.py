@@ -243,6 +243,19 @@ def test_many_streams_on_one_connection(channel):
         assert [m.rstrip(b".") for m in call] == [str(k).encode() for k in range(50 + i % 7)]
 
 
+def test_closed_streams_are_not_held(served, channel):
+    """The connection drops the streams of finished calls (`_H2Connection` counts open streams
+    less often than `h2` does, and must still cull them)."""
+    echo = _method(channel, "Echo")
+    for i in range(300):
+        assert echo(b"%d" % i, timeout=WAIT_S) == b"echo:%d" % i
+
+    async def held() -> list[int]:
+        return [len(c.h2.streams) for c in served.server.connections]
+
+    assert max(served.call(held())) <= 64 + 1
+
+
 def test_reflection_lists_the_services(channel):
     from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 

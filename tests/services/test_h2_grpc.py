@@ -75,6 +75,11 @@ class _Handlers:
             raise
         return b"released"
 
+    async def hold(self, requests, context):
+        """Reads nothing until released, then counts what came."""
+        await self.release.wait()
+        return b"%d" % sum([1 async for _ in requests])
+
     def unimplemented(self, request, context):  # what a generated servicer's base method does
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details("Method not implemented!")
@@ -82,7 +87,9 @@ class _Handlers:
 
 
 class _Served:
-    def __init__(self):
+    def __init__(self, **options):
+        """`options`: the server's (`H2GrpcServer`)."""
+        self.options = options
         self.handlers = _Handlers()
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
@@ -98,7 +105,7 @@ class _Served:
 
         async def start():
             h.release = asyncio.Event()
-            server = H2GrpcServer(max_receive_bytes=LIMIT)
+            server = H2GrpcServer(max_receive_bytes=LIMIT, **self.options)
             methods = {
                 "Echo": grpc.unary_unary_rpc_method_handler(h.echo, _same, _same),
                 "Count": grpc.unary_stream_rpc_method_handler(h.count, _same, _same),
@@ -107,6 +114,7 @@ class _Served:
                 "Refuse": grpc.unary_unary_rpc_method_handler(h.refuse, _same, _same),
                 "Crash": grpc.unary_unary_rpc_method_handler(h.crash, _same, _same),
                 "Wait": grpc.unary_unary_rpc_method_handler(h.wait, _same, _same),
+                "Hold": grpc.stream_unary_rpc_method_handler(h.hold, _same, _same),
                 "Unimplemented": grpc.unary_unary_rpc_method_handler(h.unimplemented, _same, _same),
             }
             server.add_registered_method_handlers("t.T", methods)
@@ -311,3 +319,66 @@ def test_calls_still_running_when_the_grace_ends_are_told_so():
     finally:
         s.loop.call_soon_threadsafe(s.loop.stop)
         s.thread.join(10)
+
+
+def _stop(s: _Served) -> None:
+    s.call(s.server.stop(0))
+    s.loop.call_soon_threadsafe(s.loop.stop)
+    s.thread.join(10)
+
+
+def test_keepalive_pings_close_a_connection_whose_client_is_gone():
+    """A client that answers no PING (here: one that stopped reading its socket, as a machine
+    that vanished would) loses its connection, and its calls are cancelled; grpc's own client
+    answers them and keeps its call."""
+    import h2.config
+    import h2.connection
+
+    s = _Served(keepalive_s=0.2, keepalive_timeout_s=0.3)
+    try:
+        with grpc.insecure_channel(s.address) as ch:
+            alive = _method(ch, "Wait").future(b"", timeout=WAIT_S)
+            client = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+            client.initiate_connection()
+            headers = [(":method", "POST"), (":scheme", "http"), (":authority", "t"), (":path", "/t.T/Wait")]
+            client.send_headers(1, headers + [("content-type", "application/grpc"), ("te", "trailers")])
+            client.send_data(1, b"\x00\x00\x00\x00\x00", end_stream=True)
+            with socket.create_connection(("127.0.0.1", s.port), timeout=WAIT_S) as sock:
+                sock.sendall(client.data_to_send())  # then reads nothing, answers nothing
+                deadline = time.monotonic() + WAIT_S
+                while "wait" not in s.handlers.cancelled:
+                    assert time.monotonic() < deadline, "the silent client's call was not cancelled"
+                    time.sleep(0.05)
+            time.sleep(1.0)  # several more keepalive rounds for grpc's client
+            s.loop.call_soon_threadsafe(s.handlers.release.set)
+            assert alive.result(WAIT_S) == b"released"
+    finally:
+        _stop(s)
+
+
+def test_a_handler_that_does_not_read_holds_a_streaming_client():
+    """Request messages wait for their handler only up to the client's window: past it the client
+    is held, and once the handler reads, every message arrives."""
+    s = _Served()
+    size, count, sent = 64 * 1024, 600, [0]
+
+    def requests():
+        for _ in range(count):
+            sent[0] += 1
+            yield b"x" * size
+
+    async def queued() -> int:
+        return max((len(c._requests) for conn in s.server.connections for c in conn.calls.values()), default=0)
+
+    try:
+        with grpc.insecure_channel(s.address) as ch:
+            future = _method(ch, "Hold", "stream_unary").future(requests(), timeout=WAIT_S)
+            time.sleep(1.0)
+            held, waiting = sent[0], s.call(queued())
+            assert held < count and 0 < waiting <= (16 << 20) // size + 8 + 2, (held, waiting)
+            time.sleep(0.3)
+            assert sent[0] == held, "the client was not held"
+            s.loop.call_soon_threadsafe(s.handlers.release.set)
+            assert future.result(WAIT_S) == b"%d" % count
+    finally:
+        _stop(s)

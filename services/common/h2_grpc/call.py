@@ -31,6 +31,8 @@ _NOT_METADATA = frozenset(
 _OK = grpc.StatusCode.OK
 _BURST = 32
 """Messages a handler may send in a row without the event loop running in between."""
+_QUEUED_REQUESTS = 8
+"""Request messages that may wait for the handler before the client's window stops it."""
 
 
 class _Status(Exception):
@@ -88,6 +90,7 @@ class ServerCall:
         self.peer_gone = False
         self._requests: deque = deque()
         self._buffer = bytearray()
+        self._unacknowledged = 0
         self._request_ended = False
         self._reader: Optional[asyncio.Future] = None
         self._drained: Optional[asyncio.Future] = None
@@ -113,8 +116,14 @@ class ServerCall:
             self._deadline_timer = loop.call_later(self._timeout, self._expire)
         self.task = loop.create_task(self._run(handler))
 
-    def feed(self, data: bytes, limit: int) -> None:
-        """Request bytes: complete messages go to the handler; one over `limit` fails the call."""
+    def feed(self, data: bytes, flow_controlled: int, limit: int) -> None:
+        """Request bytes: complete messages go to the handler; one over `limit` fails the call. They
+        are acknowledged while few messages wait for the handler, else once it reads them: a client
+        streaming faster than its handler reads is held by its window."""
+        if len(self._requests) < _QUEUED_REQUESTS or self.closed:
+            self.conn.acknowledge(self.stream_id, flow_controlled)
+        else:
+            self._unacknowledged += flow_controlled
         if self.closed:
             return
         buf = self._buffer
@@ -238,7 +247,11 @@ class ServerCall:
                 return None
             self._reader = asyncio.get_running_loop().create_future()
             await self._reader
-        return self._requests.popleft()
+        payload = self._requests.popleft()
+        if self._unacknowledged and len(self._requests) < _QUEUED_REQUESTS:
+            self.conn.acknowledge(self.stream_id, self._unacknowledged)
+            self._unacknowledged = 0
+        return payload
 
     async def _request_iterator(self, deserialize):
         while (payload := await self._next_request()) is not None:

@@ -69,6 +69,9 @@ class GrpcConnection(asyncio.Protocol):
         self._flush_scheduled = False
         self._peer = ""
         self._loop = None
+        self._keepalive = None
+        """The timer of the next keepalive PING, or of the wait for its ACK."""
+        self._ping_outstanding = False
 
     # ---- asyncio.Protocol -----------------------------------------------------------------------
     def connection_made(self, transport) -> None:
@@ -89,6 +92,7 @@ class GrpcConnection(asyncio.Protocol):
         )
         h2c.increment_flow_control_window(_RECEIVE_WINDOW - 65535)
         self._flush()
+        self._arm_keepalive()
 
     def data_received(self, data: bytes) -> None:
         try:
@@ -114,10 +118,15 @@ class GrpcConnection(asyncio.Protocol):
                 self._window_opened(0)  # a larger initial window, or maximum frame size
             elif kind is h2.events.StreamReset:
                 self._peer_left(event.stream_id)
+            elif kind is h2.events.PingAckReceived:
+                self._ping_outstanding = False
         self._flush_soon()
 
     def connection_lost(self, exc) -> None:
         self.server.connections.discard(self)
+        if self._keepalive is not None:
+            self._keepalive.cancel()
+            self._keepalive = None
         for call in list(self.calls.values()):
             call.peer_left()
         self.calls.clear()
@@ -130,6 +139,29 @@ class GrpcConnection(asyncio.Protocol):
         self.paused = False
         self._wake_all()
 
+    # ---- keepalive ------------------------------------------------------------------------------
+    def _arm_keepalive(self) -> None:
+        """A PING every `keepalive_s`; a client that does not answer within `keepalive_timeout_s` is
+        gone (a machine that vanished sends no FIN): its connection closes and its calls are
+        cancelled, so their requests free what they hold upstream."""
+        if self.server.keepalive_s:
+            self._keepalive = self._loop.call_later(self.server.keepalive_s, self._ping)
+
+    def _ping(self) -> None:
+        if self.transport is None or self.transport.is_closing():
+            return
+        self._ping_outstanding = True
+        self.h2.ping(b"keepaliv")
+        self._flush()
+        self._keepalive = self._loop.call_later(self.server.keepalive_timeout_s, self._check_ping)
+
+    def _check_ping(self) -> None:
+        if self._ping_outstanding:
+            logger.info("gRPC client %s did not answer a keepalive ping: closing its connection", self._peer)
+            self.transport.abort()
+            return
+        self._arm_keepalive()
+
     # ---- requests ---------------------------------------------------------------------------------
     def _request(self, event) -> None:
         sid = event.stream_id
@@ -141,15 +173,20 @@ class GrpcConnection(asyncio.Protocol):
         call.start(self.server.lookup(call.method, call.metadata))
 
     def _data(self, event) -> None:
-        sid = event.stream_id
-        if event.flow_controlled_length:
+        call = self.calls.get(event.stream_id)
+        if call is None:
+            self.acknowledge(event.stream_id, event.flow_controlled_length)
+        else:
+            call.feed(event.data, event.flow_controlled_length, self.server.max_receive_bytes)
+
+    def acknowledge(self, sid: int, size: int) -> None:
+        """Request bytes read: the client may send as many more (HTTP/2 flow control)."""
+        if size:
             try:
-                self.h2.acknowledge_received_data(event.flow_controlled_length, sid)
+                self.h2.acknowledge_received_data(size, sid)
             except h2.exceptions.StreamClosedError:
                 pass
-        call = self.calls.get(sid)
-        if call is not None:
-            call.feed(event.data, self.server.max_receive_bytes)
+            self._flush_soon()
 
     def _peer_left(self, sid: int) -> None:
         call = self.calls.pop(sid, None)

@@ -10,7 +10,8 @@ It serves what the services register on a `grpc.aio.Server` the same way (the ge
 `add_*Servicer_to_server` and `grpc.method_handlers_generic_handler`), with the four kinds of
 method, status codes and details, initial and trailing metadata, `grpc-timeout`, cancellation by
 the client, compressed requests (gzip, deflate), a receive-size limit, TLS (ALPN h2), and a stop
-that lets calls in flight finish. Server interceptors are not supported.
+that lets calls in flight finish, keepalive PINGs that find clients gone. Server interceptors are
+not supported.
 """
 
 from __future__ import annotations
@@ -31,8 +32,14 @@ class _CallDetails(grpc.HandlerCallDetails):
 
 
 class H2GrpcServer:
-    def __init__(self, max_receive_bytes: int = 4 * 1024 * 1024):
+    def __init__(
+        self, max_receive_bytes: int = 4 * 1024 * 1024, keepalive_s: float = 20.0, keepalive_timeout_s: float = 10.0
+    ):
+        """`keepalive_s`: a PING to each client this often (0: none), which must be answered within
+        `keepalive_timeout_s` (the gateway's `grpc.aio` server pinged the same way)."""
         self.max_receive_bytes = max_receive_bytes
+        self.keepalive_s = keepalive_s
+        self.keepalive_timeout_s = keepalive_timeout_s
         self.connections: set[GrpcConnection] = set()
         self._registered: dict[str, grpc.RpcMethodHandler] = {}
         self._generic: list = []

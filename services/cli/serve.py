@@ -116,7 +116,7 @@ def _add_admission_flags(p) -> None:
         choices=("h2", "grpcio"),
         default="h2",
         help="the gateway's gRPC server: h2, its own HTTP/2 (a few µs of CPU a streamed message), or "
-        "grpcio, grpc's asyncio server (~40-57 µs a message) (default: h2)",
+        "grpcio, grpc's asyncio server (~40-65 µs a message) (default: h2)",
     )
     p.add_argument(
         "--api-workers",

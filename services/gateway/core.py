@@ -44,7 +44,7 @@ class GatewayConfig:
     """Larger HTTP bodies get 413, larger gRPC messages RESOURCE_EXHAUSTED."""
     grpc_server: str = "h2"
     """The gRPC port's server: "h2" (`services/common/h2_grpc`, a message a few µs) or "grpcio"
-    (`grpc.aio`, ~40-57 µs of CPU a streamed message)."""
+    (`grpc.aio`, ~40-65 µs of CPU a streamed message)."""
     tokenizer_threads: int = 2
     """Threads that tokenize and render chat templates, off the event loop."""
     media: media.MediaLimits = media.MediaLimits()

@@ -3,7 +3,7 @@ reflection) and its HTTP server (uvicorn), over one `GatewayCore`.
 
 The gRPC server is `H2GrpcServer` (`services/common/h2_grpc`) unless the config asks for `grpc.aio`
 (`grpc_server="grpcio"`): both serve the same services; the first costs a streamed message a few
-µs of CPU where the second costs ~40-57.
+µs of CPU where the second costs ~40-65.
 
 The head runs one; so does each extra API process of `deepinfer serve --api-workers N`, on the same
 two ports: the HTTP socket sets SO_REUSEPORT (`reuse_port`), and gRPC sets it on Linux by default, so

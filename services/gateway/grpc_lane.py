@@ -134,14 +134,13 @@ class GrpcLane(FrontLane):
             if not waiter.done():
                 waiter.set_result(None)
 
-    async def messages(self, deltas: AsyncIterator) -> AsyncIterator[Union[bytes, tuple]]:
+    def messages(self, deltas: AsyncIterator) -> AsyncIterator[Union[bytes, tuple]]:
         """`deltas` (the request's `GatewayCore.generate`, given this lane) with what the lane took
         in between, in order: bytes (a `GenerateResponse` to send as it is) or the chain's
         (choice, delta). Closing it closes `deltas` (which aborts the request upstream)."""
-        if self._call is not None:
-            async for item in self._relay(deltas):
-                yield item
-            return
+        return self._relay(deltas) if self._call is not None else self._outboxed(deltas)
+
+    async def _outboxed(self, deltas: AsyncIterator) -> AsyncIterator[Union[bytes, tuple]]:
         loop = asyncio.get_running_loop()
         outbox = self.outbox
         pending = None

@@ -58,6 +58,7 @@ def _metadata(headers) -> tuple:
 def _header_pairs(metadata) -> list:
     out = []
     for key, value in metadata or ():
+        key = key.lower()
         if key.endswith("-bin"):
             value = base64.b64encode(value if isinstance(value, bytes) else value.encode()).rstrip(b"=")
         out.append((key.encode("ascii"), value if isinstance(value, bytes) else value.encode("utf-8")))

@@ -36,7 +36,15 @@ logger = logging.getLogger(__name__)
 _RECEIVE_WINDOW = 1 << 24
 """The connection's and each stream's receive window: requests are acknowledged as they are read
 (their size is bounded by the server's message limit), so this only saves WINDOW_UPDATEs."""
-_CONFIG = h2.config.H2Configuration(client_side=False, header_encoding=None, validate_inbound_headers=True)
+_CONFIG = h2.config.H2Configuration(
+    client_side=False,
+    header_encoding=None,
+    validate_inbound_headers=True,
+    # the server's own headers: constant names and values, and metadata keys made lowercase
+    # (`call._header_pairs`); checking each again cost more than the rest of sending them
+    validate_outbound_headers=False,
+    normalize_outbound_headers=False,
+)
 _CULL_EVERY = 64
 
 

@@ -3,10 +3,12 @@
 ready bytes, one message a tick to every open stream (as a decode step gives each stream a token).
 grpc's own asyncio clients read the streams in processes of their own.
 
-    python -m benchmarks.grpc_server_floor [--streams 1024] [--messages 200] [--step-ms 20]
+    python -m benchmarks.grpc_server_floor [--streams 1024] [--messages 200] [--step-ms 20] [--calls 1]
 
-Prints, for each server, the messages delivered, the server process's CPU time per message (from
-/proc), the clients' per message, and the ratio of the two servers' figures.
+Prints, for each server, the messages delivered, the server process's CPU time per message and per
+call (from /proc), the clients' per message, and the ratio of the two servers' figures. With
+`--calls N` each of the `--streams` slots makes N calls one after the other: few messages a call
+measure what a call itself costs (its headers, its status, its handler's task).
 """
 
 from __future__ import annotations
@@ -59,7 +61,7 @@ def _server_main(kind: str, messages: int, step_s: float, ready, port_box, stop)
     uvloop.run(main())
 
 
-def _client_main(port: int, streams: int, go, results) -> None:
+def _client_main(port: int, streams: int, calls: int, go, results) -> None:
     import uvloop
 
     async def main() -> None:
@@ -68,7 +70,10 @@ def _client_main(port: int, streams: int, go, results) -> None:
         go.wait()
 
         async def one() -> int:
-            return sum([1 async for _ in method(b"")])
+            count = 0
+            for _ in range(calls):
+                count += sum([1 async for _ in method(b"")])
+            return count
 
         cpu = time.process_time()
         counts = await asyncio.gather(*[one() for _ in range(streams)])
@@ -78,7 +83,7 @@ def _client_main(port: int, streams: int, go, results) -> None:
     uvloop.run(main())
 
 
-def measure(kind: str, streams: int, messages: int, step_s: float, clients: int) -> dict:
+def measure(kind: str, streams: int, messages: int, step_s: float, clients: int, calls: int = 1) -> dict:
     ctx = mp.get_context("spawn")
     ready, stop, go = ctx.Event(), ctx.Event(), ctx.Event()
     port, results = ctx.Value("i", 0), ctx.Queue()
@@ -87,7 +92,7 @@ def measure(kind: str, streams: int, messages: int, step_s: float, clients: int)
     if not ready.wait(60):
         raise RuntimeError(f"the {kind} server did not start")
     per = [streams // clients + (i < streams % clients) for i in range(clients)]
-    procs = [ctx.Process(target=_client_main, args=(port.value, n, go, results), daemon=True) for n in per]
+    procs = [ctx.Process(target=_client_main, args=(port.value, n, calls, go, results), daemon=True) for n in per]
     for p in procs:
         p.start()
     time.sleep(2.0)  # the clients' imports and channels
@@ -100,13 +105,14 @@ def measure(kind: str, streams: int, messages: int, step_s: float, clients: int)
     for p in procs:
         p.join(10)
     delivered = sum(d[0] for d in done)
-    if delivered != streams * messages:
-        raise RuntimeError(f"{kind}: {delivered} messages delivered of {streams * messages}")
+    if delivered != streams * messages * calls:
+        raise RuntimeError(f"{kind}: {delivered} messages delivered of {streams * messages * calls}")
     return {
         "server": kind,
         "messages": delivered,
         "seconds": t1 - t0,
         "server_us": cpu_delta(cpu0, cpu1) / delivered * 1e6,
+        "server_us_call": cpu_delta(cpu0, cpu1) / (streams * calls) * 1e6,
         "clients_us": sum(d[1] for d in done) / delivered * 1e6,
     }
 
@@ -117,21 +123,27 @@ def main(argv=None) -> int:
     p.add_argument("--messages", type=int, default=200, help="messages per stream")
     p.add_argument("--step-ms", type=float, default=20.0, help="one message to every stream this often")
     p.add_argument("--clients", type=int, default=2, help="client processes")
+    p.add_argument("--calls", type=int, default=1, help="calls each stream slot makes, one after the other")
     p.add_argument("--servers", default="grpcio,h2")
     args = p.parse_args(argv)
     rows = [
-        measure(kind, args.streams, args.messages, args.step_ms / 1e3, args.clients) for kind in args.servers.split(",")
+        measure(kind, args.streams, args.messages, args.step_ms / 1e3, args.clients, args.calls)
+        for kind in args.servers.split(",")
     ]
     when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     print(
-        f"\ngRPC server floor: {args.streams} streams x {args.messages} messages, a tick every {args.step_ms:g} ms, "
+        f"\ngRPC server floor: {args.streams} streams x {args.calls} call(s) x {args.messages} messages, "
+        f"a tick every {args.step_ms:g} ms, "
         f"{args.clients} client processes; {platform.machine()}, {os.cpu_count()} CPUs, {when}\n"
     )
-    print("| server | messages | messages/s | server µs/message | clients µs/message |")
-    print("|---|---:|---:|---:|---:|")
+    print("| server | messages | messages/s | server µs/message | server µs/call | clients µs/message |")
+    print("|---|---:|---:|---:|---:|---:|")
     for r in rows:
         rate = r["messages"] / r["seconds"]
-        print(f"| {r['server']} | {r['messages']} | {rate:,.0f} | {r['server_us']:.1f} | {r['clients_us']:.1f} |")
+        print(
+            f"| {r['server']} | {r['messages']} | {rate:,.0f} | {r['server_us']:.1f} | {r['server_us_call']:.0f} "
+            f"| {r['clients_us']:.1f} |"
+        )
     if len(rows) == 2:
         print(
             f"\n{rows[1]['server']} / {rows[0]['server']} server CPU per message: {rows[1]['server_us'] / rows[0]['server_us']:.2f}x"

@@ -116,10 +116,3 @@ class H2GrpcServer:
         for server in self._servers:
             await server.wait_closed()
         self._servers.clear()
-
-    async def wait_for_termination(self, timeout: Optional[float] = None) -> bool:
-        servers = [asyncio.ensure_future(s.serve_forever()) for s in self._servers]
-        if not servers:
-            return True
-        done, _ = await asyncio.wait(servers, timeout=timeout)
-        return bool(done)

@@ -125,17 +125,12 @@ class _Served:
 
         return self.call(start())
 
-    def close(self) -> None:
-        self.call(self.server.stop(0))
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
-
 
 @pytest.fixture(scope="module")
 def served():
     s = _Served()
     yield s
-    s.close()
+    _stop(s)
 
 
 @pytest.fixture
@@ -282,15 +277,26 @@ def test_bytes_that_are_not_http2_close_only_their_connection(served, channel):
     assert _method(channel, "Echo")(b"still", timeout=WAIT_S) == b"echo:still"
 
 
+def _waiting_call(s: _Served, ch):
+    """A `Wait` call, once the server holds it."""
+    future = _method(ch, "Wait").future(b"", timeout=WAIT_S)
+    deadline = time.monotonic() + WAIT_S
+    while s.call(_open_calls(s.server)) == 0:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    return future
+
+
+def _end_loop(s: _Served) -> None:
+    s.loop.call_soon_threadsafe(s.loop.stop)
+    s.thread.join(10)
+
+
 def test_a_stop_lets_calls_in_flight_finish():
     s = _Served()
     try:
         with grpc.insecure_channel(s.address) as ch:
-            future = _method(ch, "Wait").future(b"", timeout=WAIT_S)
-            deadline = time.monotonic() + WAIT_S
-            while s.call(_open_calls(s.server)) == 0:
-                assert time.monotonic() < deadline
-                time.sleep(0.02)
+            future = _waiting_call(s, ch)
             stopping = asyncio.run_coroutine_threadsafe(s.server.stop(WAIT_S), s.loop)
             time.sleep(0.2)
             with pytest.raises(OSError):  # no new connections
@@ -299,32 +305,25 @@ def test_a_stop_lets_calls_in_flight_finish():
             assert future.result(WAIT_S) == b"released"
             stopping.result(WAIT_S)
     finally:
-        s.loop.call_soon_threadsafe(s.loop.stop)
-        s.thread.join(10)
+        _end_loop(s)
 
 
 def test_calls_still_running_when_the_grace_ends_are_told_so():
     s = _Served()
     try:
         with grpc.insecure_channel(s.address) as ch:
-            future = _method(ch, "Wait").future(b"", timeout=WAIT_S)
-            deadline = time.monotonic() + WAIT_S
-            while s.call(_open_calls(s.server)) == 0:
-                assert time.monotonic() < deadline
-                time.sleep(0.02)
+            future = _waiting_call(s, ch)
             s.call(s.server.stop(0.2))
             with pytest.raises(grpc.RpcError) as e:
                 future.result(WAIT_S)
             assert e.value.code() == grpc.StatusCode.UNAVAILABLE
     finally:
-        s.loop.call_soon_threadsafe(s.loop.stop)
-        s.thread.join(10)
+        _end_loop(s)
 
 
 def _stop(s: _Served) -> None:
     s.call(s.server.stop(0))
-    s.loop.call_soon_threadsafe(s.loop.stop)
-    s.thread.join(10)
+    _end_loop(s)
 
 
 def test_keepalive_pings_close_a_connection_whose_client_is_gone():

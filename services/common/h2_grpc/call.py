@@ -65,6 +65,11 @@ def _header_pairs(metadata) -> list:
     return out
 
 
+def _wake(waiter: Optional[asyncio.Future]) -> None:
+    if waiter is not None and not waiter.done():
+        waiter.set_result(None)
+
+
 class ServerCall:
     def __init__(self, conn: GrpcConnection, stream_id: int, headers: list, peer: str):
         self.conn = conn
@@ -169,11 +174,8 @@ class ServerCall:
 
     def drained(self) -> None:
         """What waited for the client's windows or the socket went out."""
-        waiter = self._drained
-        if waiter is not None:
-            self._drained = None
-            if not waiter.done():
-                waiter.set_result(None)
+        waiter, self._drained = self._drained, None
+        _wake(waiter)
 
     # ---- the handler ----------------------------------------------------------------------------
     async def _run(self, handler) -> None:
@@ -259,11 +261,8 @@ class ServerCall:
             yield self._parse(deserialize, payload)
 
     def _wake_reader(self) -> None:
-        reader = self._reader
-        if reader is not None:
-            self._reader = None
-            if not reader.done():
-                reader.set_result(None)
+        reader, self._reader = self._reader, None
+        _wake(reader)
 
     def _send_headers(self, metadata=()) -> None:
         self.headers_sent = True

@@ -229,11 +229,12 @@ def test_a_client_that_does_not_read_holds_the_handler(served):
     with grpc.insecure_channel(served.address, options=options) as ch:
         stream = _method(ch, "Count", "unary_stream")(b"3000:1000", timeout=WAIT_S)  # 3 MB
         first = next(stream)
-        time.sleep(0.5)
-        held = served.handlers.sent
+        held, deadline = -1, time.monotonic() + WAIT_S
+        while served.handlers.sent != held:  # until the handler stops sending (held, or done)
+            assert time.monotonic() < deadline, "the handler never stopped"
+            held = served.handlers.sent
+            time.sleep(0.5)
         assert held < 3000, "the handler was not held back by the client's window"
-        time.sleep(0.3)
-        assert served.handlers.sent == held, "the handler ran on while the client did not read"
         rest = list(stream)
     assert [m.rstrip(b".") for m in [first, *rest]] == [str(i).encode() for i in range(3000)]
 
@@ -372,11 +373,14 @@ def test_a_handler_that_does_not_read_holds_a_streaming_client():
     try:
         with grpc.insecure_channel(s.address) as ch:
             future = _method(ch, "Hold", "stream_unary").future(requests(), timeout=WAIT_S)
-            time.sleep(1.0)
-            held, waiting = sent[0], s.call(queued())
-            assert held < count and 0 < waiting <= (16 << 20) // size + 8 + 2, (held, waiting)
-            time.sleep(0.3)
-            assert sent[0] == held, "the client was not held"
+            held, deadline = -1, time.monotonic() + WAIT_S
+            while sent[0] != held:  # until the client stops sending (held, or done)
+                assert time.monotonic() < deadline, "the client never stopped sending"
+                held = sent[0]
+                time.sleep(0.5)
+            waiting = s.call(queued())
+            assert held < count, "the client was not held"
+            assert 0 < waiting <= (16 << 20) // size + 8 + 2, (held, waiting)
             s.loop.call_soon_threadsafe(s.handlers.release.set)
             assert future.result(WAIT_S) == b"%d" % count
     finally:

@@ -18,6 +18,7 @@ from typing import Optional
 
 from services.common.grpc_util import add_lenient, bind, enable_reflection, new_server
 from services.common.h2_grpc import H2GrpcServer
+from services.common.sockets import listen_socket
 from services.gateway.core import GatewayCore
 from services.gateway.tls import TLSConfig
 
@@ -89,15 +90,6 @@ class GatewayFront:
             self.http_server.should_exit = True
             await asyncio.wait({self.http_task}, timeout=_STOP_GRACE_S)
         await self.grpc_server.stop(1)
-
-
-def listen_socket(host: str, port: int, reuse_port: bool) -> socket.socket:
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    if reuse_port:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-    sock.bind((host, port))
-    return sock
 
 
 def check_port_free(host: str, port: int) -> None:

@@ -23,12 +23,8 @@ one when the handler comes back (as every delta did before there was a lane).
 Where `services.native` is built, its compiled half writes the same bytes for the same deltas
 straight from the subscription's (`NativeLane(..., grpc=True)`), through `ready` and `write` below.
 
-On the gateway's own HTTP/2 server (`services/common/h2_grpc`) there is no outbox: any task may
-send on a call, so the lane hands each message to the call (`ServerCall.send_now`), which frames it
-on the connection at once, while nothing waits before it on that stream (`can_send_now`: the
-client's windows and the socket have room). The handler then only relays the chain's items, and
-the order holds as for the SSE lane: the chain's reader parks on the empty inbox only once its
-previous item is sent.
+On the gateway's own HTTP/2 server (`services/common/h2_grpc`) the lane is a `DirectGrpcLane`,
+without an outbox.
 """
 
 from __future__ import annotations
@@ -41,6 +37,7 @@ from typing import Optional, Union
 from deepinfer_proto import gateway_pb2
 from services.common.deltas import merge
 from services.common.fast_lane import COUNTS
+from services.common.h2_grpc.call import ServerCall
 from services.common.messages import delta_from_proto, fill_delta
 from services.gateway.front_lane import FrontLane
 from services.native import NativeLane
@@ -71,13 +68,11 @@ def _merged(outbox: deque, request_id: str) -> bytes:
 
 
 class GrpcLane(FrontLane):
-    __slots__ = ("request_id", "outbox", "open", "_waiter", "_call")
+    __slots__ = ("request_id", "outbox", "open", "_waiter")
 
-    def __init__(self, request_id: str, call=None):
-        """`call`: the `ServerCall` of an `H2GrpcServer` to hand messages to (None: `grpc.aio`, the outbox)."""
+    def __init__(self, request_id: str):
         super().__init__()
         self.request_id = request_id
-        self._call = call
         self.outbox: deque[bytes] = deque()
         """Serialized `GenerateResponse`s the lane took, in order, until the handler sends them."""
         self.open = False
@@ -94,18 +89,12 @@ class GrpcLane(FrontLane):
         `context`: the handler's (a call of the gateway's own server takes messages directly)."""
         if params.n != 1 or params.logprobs is not None:
             return None
-        return cls(request_id, context if hasattr(context, "send_now") else None)
+        if isinstance(context, ServerCall):
+            return DirectGrpcLane(request_id, context)
+        return cls(request_id)
 
     # ---- what the lanes call ------------------------------------------------------------------
     def ready(self) -> bool:
-        call = self._call
-        if call is not None:
-            if not self.open:
-                return False
-            if call.can_send_now():
-                return True
-            COUNTS.paused += 1  # the client's windows or the socket hold the stream back
-            return False
         if len(self.outbox) >= OUTBOX_LIMIT:
             COUNTS.paused += 1  # the handler is held (a client that does not read)
             return False
@@ -113,9 +102,6 @@ class GrpcLane(FrontLane):
 
     def write(self, message: bytes) -> None:
         """One serialized `GenerateResponse` for the handler (the native half calls this too)."""
-        if self._call is not None:
-            self._call.send_now(message)
-            return
         self.outbox.append(message)
         self._wake()
 
@@ -134,13 +120,10 @@ class GrpcLane(FrontLane):
             if not waiter.done():
                 waiter.set_result(None)
 
-    def messages(self, deltas: AsyncIterator) -> AsyncIterator[Union[bytes, tuple]]:
+    async def messages(self, deltas: AsyncIterator) -> AsyncIterator[Union[bytes, tuple]]:
         """`deltas` (the request's `GatewayCore.generate`, given this lane) with what the lane took
         in between, in order: bytes (a `GenerateResponse` to send as it is) or the chain's
         (choice, delta). Closing it closes `deltas` (which aborts the request upstream)."""
-        return self._relay(deltas) if self._call is not None else self._outboxed(deltas)
-
-    async def _outboxed(self, deltas: AsyncIterator) -> AsyncIterator[Union[bytes, tuple]]:
         loop = asyncio.get_running_loop()
         outbox = self.outbox
         pending = None
@@ -174,8 +157,33 @@ class GrpcLane(FrontLane):
                     pending.exception()  # the stream is over: what it raised goes no further (nor to the log)
             await deltas.aclose()
 
-    async def _relay(self, deltas: AsyncIterator) -> AsyncIterator[tuple]:
-        """`deltas` as they come: the lane sends what it takes itself (a call that takes messages directly)."""
+
+class DirectGrpcLane(GrpcLane):
+    """The lane on the gateway's own HTTP/2 server: any task may send on a call, so the lane hands
+    each message to it (`ServerCall.send_now`), which frames it on the connection at once, while
+    nothing waits before it on that stream (`can_send_now`: the client's windows and the socket have
+    room). The handler only relays the chain's items; the order holds as for the SSE lane: the
+    chain's reader parks on the empty inbox only once its previous item is sent."""
+
+    __slots__ = ("_call",)
+
+    def __init__(self, request_id: str, call: ServerCall):
+        super().__init__(request_id)
+        self._call = call
+
+    def ready(self) -> bool:
+        if not self.open:
+            return False
+        if self._call.can_send_now():
+            return True
+        COUNTS.paused += 1  # the client's windows or the socket hold the stream back
+        return False
+
+    def write(self, message: bytes) -> None:
+        self._call.send_now(message)
+
+    async def messages(self, deltas: AsyncIterator) -> AsyncIterator[tuple]:
+        """`deltas` as they come: the lane sends what it takes itself."""
         try:
             async for item in deltas:
                 yield item

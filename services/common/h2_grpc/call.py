@@ -10,24 +10,17 @@ handler, as grpc's own server does. A fast lane may hand the call a serialized m
 from __future__ import annotations
 
 import asyncio
-import base64
 import inspect
 import logging
 from collections import deque
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 import grpc
 
 from services.common.h2_grpc import wire
 
-if TYPE_CHECKING:
-    from services.common.h2_grpc.connection import GrpcConnection
-
 logger = logging.getLogger(__name__)
 
-_NOT_METADATA = frozenset(
-    {"content-type", "te", "grpc-timeout", "grpc-encoding", "grpc-accept-encoding", "content-length"}
-)
 _OK = grpc.StatusCode.OK
 _BURST = 32
 """Messages a handler may send in a row without the event loop running in between."""
@@ -42,36 +35,14 @@ class _Status(Exception):
         self.code, self.details = code, details
 
 
-def _metadata(headers) -> tuple:
-    out = []
-    for key, value in headers:
-        key = key.decode("ascii")
-        if key[0] == ":" or key in _NOT_METADATA:
-            continue
-        if key.endswith("-bin"):
-            out.append((key, base64.b64decode(value + b"=" * (-len(value) % 4))))
-        else:
-            out.append((key, value.decode("utf-8", "replace")))
-    return tuple(out)
-
-
-def _header_pairs(metadata) -> list:
-    out = []
-    for key, value in metadata or ():
-        key = key.lower()
-        if key.endswith("-bin"):
-            value = base64.b64encode(value if isinstance(value, bytes) else value.encode()).rstrip(b"=")
-        out.append((key.encode("ascii"), value if isinstance(value, bytes) else value.encode("utf-8")))
-    return out
-
-
 def _wake(waiter: Optional[asyncio.Future]) -> None:
     if waiter is not None and not waiter.done():
         waiter.set_result(None)
 
 
 class ServerCall:
-    def __init__(self, conn: GrpcConnection, stream_id: int, headers: list, peer: str):
+    def __init__(self, conn, stream_id: int, headers: list, peer: str):
+        """`conn`: the `GrpcConnection` the call came on."""
         self.conn = conn
         self.stream_id = stream_id
         self.h2_stream = conn.h2.streams[stream_id]
@@ -84,7 +55,7 @@ class ServerCall:
         self._content_type = fields.get(b"content-type", "")
         self.encoding = fields.get(b"grpc-encoding", "identity")
         self._timeout = wire.timeout_s(fields[b"grpc-timeout"]) if b"grpc-timeout" in fields else None
-        self.metadata = _metadata(headers)
+        self.metadata = wire.metadata_of(headers)
         self._peer = peer
         self.pending = bytearray()
         """Message bytes the client's windows hold back (sent as they open: `GrpcConnection.pump`)."""
@@ -137,9 +108,7 @@ class ServerCall:
         while len(buf) >= wire.MESSAGE_PREFIX:
             length = int.from_bytes(buf[1:5], "big")
             if length > limit:
-                return self._fail(
-                    grpc.StatusCode.RESOURCE_EXHAUSTED, f"Received message larger than max ({length} vs. {limit})"
-                )
+                return self._too_large(length, limit)
             end = wire.MESSAGE_PREFIX + length
             if len(buf) < end:
                 break
@@ -150,10 +119,7 @@ class ServerCall:
                 except (ValueError, OSError) as e:
                     return self._fail(grpc.StatusCode.INTERNAL, f"a compressed request message: {e}")
                 if len(payload) > limit:
-                    return self._fail(
-                        grpc.StatusCode.RESOURCE_EXHAUSTED,
-                        f"Received message larger than max ({len(payload)} vs. {limit})",
-                    )
+                    return self._too_large(len(payload), limit)
             del buf[:end]
             self._requests.append(payload)
         self._wake_reader()
@@ -266,9 +232,8 @@ class ServerCall:
 
     def _send_headers(self, metadata=()) -> None:
         self.headers_sent = True
-        headers = [(b":status", b"200"), (b"content-type", b"application/grpc")]
-        headers.append((b"grpc-accept-encoding", wire.ACCEPT_ENCODING.encode()))
-        self.conn.send_headers(self, headers + _header_pairs(metadata), end_stream=False)
+        headers = [*wire.RESPONSE_HEAD, (b"grpc-accept-encoding", wire.ACCEPT_ENCODING.encode())]
+        self.conn.send_headers(self, headers + wire.header_pairs(metadata), end_stream=False)
 
     async def _drain(self) -> None:
         if self.closed:
@@ -285,10 +250,10 @@ class ServerCall:
         trailers = [(b"grpc-status", str(code.value[0]).encode())]
         if details:
             trailers.append((b"grpc-message", wire.encode_details(details).encode("ascii")))
-        trailers += _header_pairs(self._trailing)
+        trailers += wire.header_pairs(self._trailing)
         if not self.headers_sent:  # trailers-only: one HEADERS frame
             self.headers_sent = True
-            trailers = [(b":status", b"200"), (b"content-type", b"application/grpc"), *trailers]
+            trailers = [*wire.RESPONSE_HEAD, *trailers]
         self.trailers = trailers
         self.conn.end_call(self)
 
@@ -300,6 +265,9 @@ class ServerCall:
         if task is not None and not task.done():
             self.peer_gone = True  # its own status is out: the cancelled handler sends none
             task.cancel()
+
+    def _too_large(self, size: int, limit: int) -> None:
+        self._fail(grpc.StatusCode.RESOURCE_EXHAUSTED, f"Received message larger than max ({size} vs. {limit})")
 
     def _expire(self) -> None:
         self._deadline_timer = None

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 import h2.config
 import h2.connection
@@ -28,20 +28,17 @@ import h2.settings
 from services.common.h2_grpc import wire
 from services.common.h2_grpc.call import ServerCall
 
-if TYPE_CHECKING:
-    from services.common.h2_grpc.server import H2GrpcServer
-
 logger = logging.getLogger(__name__)
 
 _RECEIVE_WINDOW = 1 << 24
-"""The connection's and each stream's receive window: requests are acknowledged as they are read
-(their size is bounded by the server's message limit), so this only saves WINDOW_UPDATEs."""
+"""The connection's and each stream's receive window (a request message is bounded by the server's
+size limit; a stream's messages are acknowledged as they arrive while few wait: `ServerCall.feed`)."""
 _CONFIG = h2.config.H2Configuration(
     client_side=False,
     header_encoding=None,
     validate_inbound_headers=True,
     # the server's own headers: constant names and values, and metadata keys made lowercase
-    # (`call._header_pairs`); checking each again cost more than the rest of sending them
+    # (`wire.header_pairs`); checking each again cost more than the rest of sending them
     validate_outbound_headers=False,
     normalize_outbound_headers=False,
 )
@@ -65,7 +62,8 @@ class _H2Connection(h2.connection.H2Connection):
 
 
 class GrpcConnection(asyncio.Protocol):
-    def __init__(self, server: H2GrpcServer):
+    def __init__(self, server):
+        """`server`: the `H2GrpcServer` that accepted it (its methods, limits and keepalive)."""
         self.server = server
         self.h2 = _H2Connection(config=_CONFIG)
         self.calls: dict[int, ServerCall] = {}
@@ -218,6 +216,7 @@ class GrpcConnection(asyncio.Protocol):
         if call.pending:
             call.pending += data
             return
+        # `pump`'s common case written out: one small message a token, on windows with room
         n = len(data)
         h2c = self.h2
         stream = call.h2_stream

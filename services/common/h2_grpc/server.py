@@ -24,6 +24,7 @@ from typing import Optional
 import grpc
 
 from services.common.h2_grpc.connection import GrpcConnection
+from services.common.sockets import listen_socket
 
 
 class _CallDetails(grpc.HandlerCallDetails):
@@ -78,15 +79,9 @@ class H2GrpcServer:
     def _bind(self, address: str, ssl_context) -> int:
         """Bind (SO_REUSEPORT, as grpc does on Linux: several API processes share a port); 0 on failure."""
         host, _, port = address.rpartition(":")
-        host = host.strip("[]") or "0.0.0.0"
-        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        if hasattr(socket, "SO_REUSEPORT"):
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         try:
-            sock.bind((host, int(port)))
+            sock = listen_socket(host.strip("[]") or "0.0.0.0", int(port), reuse_port=hasattr(socket, "SO_REUSEPORT"))
         except OSError:
-            sock.close()
             return 0
         self._sockets.append((sock, ssl_context))
         return sock.getsockname()[1]

@@ -1,16 +1,21 @@
-"""gRPC over HTTP/2 on the wire: the length-prefixed message, raw DATA and GOAWAY frames, the
-`grpc-timeout` header, and the percent-encoded `grpc-message`."""
+"""gRPC over HTTP/2 on the wire: the length-prefixed message, raw DATA and GOAWAY frames, metadata
+as headers, the `grpc-timeout` header, and the percent-encoded `grpc-message`."""
 
 from __future__ import annotations
 
+import base64
 import re
 import zlib
 from typing import Optional
 
 MESSAGE_PREFIX = 5
 """A message's prefix: a compressed flag (1 byte) and its length (4 bytes, big-endian)."""
-FRAME_HEADER = 9
-DATA, GOAWAY = 0x0, 0x7
+GOAWAY = 0x7
+RESPONSE_HEAD = [(b":status", b"200"), (b"content-type", b"application/grpc")]
+"""What every response's first HEADERS frame begins with."""
+_NOT_METADATA = frozenset(
+    {"content-type", "te", "grpc-timeout", "grpc-encoding", "grpc-accept-encoding", "content-length"}
+)
 
 
 def data_frame(stream_id: int, payload) -> bytes:
@@ -58,3 +63,29 @@ def decompress(encoding: str, data: bytes) -> bytes:
 
 
 ACCEPT_ENCODING = "identity,deflate,gzip"
+
+
+def metadata_of(headers) -> tuple:
+    """A request's metadata as `invocation_metadata()` gives it: its headers less the pseudo-headers
+    and gRPC's own, `-bin` values base64-decoded."""
+    out = []
+    for key, value in headers:
+        key = key.decode("ascii")
+        if key[0] == ":" or key in _NOT_METADATA:
+            continue
+        if key.endswith("-bin"):
+            out.append((key, base64.b64decode(value + b"=" * (-len(value) % 4))))
+        else:
+            out.append((key, value.decode("utf-8", "replace")))
+    return tuple(out)
+
+
+def header_pairs(metadata) -> list:
+    """Metadata as header pairs: keys lowercased, `-bin` values base64-encoded (unpadded)."""
+    out = []
+    for key, value in metadata or ():
+        key = key.lower()
+        if key.endswith("-bin"):
+            value = base64.b64encode(value if isinstance(value, bytes) else value.encode()).rstrip(b"=")
+        out.append((key.encode("ascii"), value if isinstance(value, bytes) else value.encode("utf-8")))
+    return out

@@ -127,16 +127,20 @@ class LaneHead:
 
         return self.call(read())
 
-    def squeeze_connections(self) -> int:
-        """Give every open HTTP connection a small send buffer and write-buffer limit, so that a
-        client that does not read makes the server pause its writes after a few KB; how many."""
+    def squeeze_connection(self, client: socket.socket) -> bool:
+        """Give the server's end of `client`'s connection a small send buffer and write-buffer limit,
+        so that a client that does not read makes the server pause its writes after a few KB;
+        whether that connection was there yet. Matched by address: a connection left open by an
+        earlier test must not be the one squeezed."""
+        client_address = client.getsockname()
 
-        async def squeeze() -> int:
-            connections = self.front.http_server.server_state.connections
-            for protocol in connections:
-                protocol.transport.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
-                protocol.transport.set_write_buffer_limits(high=2048)
-            return len(connections)
+        async def squeeze() -> bool:
+            for protocol in self.front.http_server.server_state.connections:
+                if protocol.transport.get_extra_info("peername")[:2] == client_address[:2]:
+                    protocol.transport.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+                    protocol.transport.set_write_buffer_limits(high=2048)
+                    return True
+            return False
 
         return self.call(squeeze())
 

@@ -160,7 +160,7 @@ def test_a_client_that_does_not_read_gets_every_byte_in_order(head):
         sock = post(head.port, "/v1/completions", body, rcvbuf=2048)
         try:
             deadline = time.monotonic() + WAIT_S
-            while not head.squeeze_connections():
+            while not head.squeeze_connection(sock):
                 assert time.monotonic() < deadline
                 time.sleep(0.01)
             while COUNTS.paused == paused:  # not reading until the server had to hold writes back

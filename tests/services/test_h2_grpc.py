@@ -7,130 +7,21 @@ from __future__ import annotations
 
 import asyncio
 import socket
-import threading
 import time
 
 import grpc
 import pytest
 
-from services.common.grpc_util import enable_reflection
-from services.common.h2_grpc import H2GrpcServer
-
-WAIT_S = 30.0
-LIMIT = 1 << 20
-
-
-def _same(x):
-    return x
-
-
-class _Handlers:
-    """The test service `t.T`; what its handlers saw, for the tests to check."""
-
-    def __init__(self):
-        self.seen: dict = {}
-        self.sent = 0
-        self.cancelled: list[str] = []
-        self.release = None  # asyncio.Event, made on the server's loop
-
-    async def echo(self, request, context):
-        self.seen["metadata"] = dict(context.invocation_metadata())
-        self.seen["time_remaining"] = context.time_remaining()
-        return b"echo:" + request
-
-    async def count(self, request, context):
-        """As many messages as the request says (`n[:size]`), each its index padded to `size`."""
-        n, _, size = request.partition(b":")
-        try:
-            for i in range(int(n)):
-                self.sent = i + 1
-                yield str(i).encode().ljust(int(size or 0), b".")
-        finally:
-            if self.sent < int(n):  # cancelled, or closed by the server while it was sending
-                self.cancelled.append("count")
-
-    async def upper(self, requests, context):
-        async for r in requests:
-            yield r.upper()
-
-    async def join(self, requests, context):
-        return b"+".join([r async for r in requests])
-
-    async def refuse(self, request, context):
-        await context.send_initial_metadata((("x-first", "1"),))
-        await context.abort(
-            grpc.StatusCode.INVALID_ARGUMENT,
-            "no such thing: é 100%",
-            trailing_metadata=(("retry-after", "3"), ("x-raw-bin", b"\x00\xff")),
-        )
-
-    async def crash(self, request, context):
-        raise RuntimeError("boom")
-
-    async def wait(self, request, context):
-        try:
-            await self.release.wait()
-        except asyncio.CancelledError:
-            self.cancelled.append("wait")
-            raise
-        return b"released"
-
-    async def hold(self, requests, context):
-        """Reads nothing until released, then counts what came."""
-        await self.release.wait()
-        return b"%d" % sum([1 async for _ in requests])
-
-    def unimplemented(self, request, context):  # what a generated servicer's base method does
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details("Method not implemented!")
-        raise NotImplementedError("Method not implemented!")
-
-
-class _Served:
-    def __init__(self, **options):
-        """`options`: the server's (`H2GrpcServer`)."""
-        self.options = options
-        self.handlers = _Handlers()
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-        self.server = self.start_server()
-        self.address = f"127.0.0.1:{self.port}"
-
-    def call(self, coro):
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(WAIT_S)
-
-    def start_server(self) -> H2GrpcServer:
-        h = self.handlers
-
-        async def start():
-            h.release = asyncio.Event()
-            server = H2GrpcServer(max_receive_bytes=LIMIT, **self.options)
-            methods = {
-                "Echo": grpc.unary_unary_rpc_method_handler(h.echo, _same, _same),
-                "Count": grpc.unary_stream_rpc_method_handler(h.count, _same, _same),
-                "Upper": grpc.stream_stream_rpc_method_handler(h.upper, _same, _same),
-                "Join": grpc.stream_unary_rpc_method_handler(h.join, _same, _same),
-                "Refuse": grpc.unary_unary_rpc_method_handler(h.refuse, _same, _same),
-                "Crash": grpc.unary_unary_rpc_method_handler(h.crash, _same, _same),
-                "Wait": grpc.unary_unary_rpc_method_handler(h.wait, _same, _same),
-                "Hold": grpc.stream_unary_rpc_method_handler(h.hold, _same, _same),
-                "Unimplemented": grpc.unary_unary_rpc_method_handler(h.unimplemented, _same, _same),
-            }
-            server.add_registered_method_handlers("t.T", methods)
-            enable_reflection(server, ["t.T"])
-            self.port = server.add_insecure_port("127.0.0.1:0")
-            await server.start()
-            return server
-
-        return self.call(start())
+from services.common.h2_grpc import http2
+from tests.helpers.grpc_served import LIMIT, WAIT_S, Served, end_loop, same, stop
+from tests.helpers.raw_http2 import RawClient, message, request_block
 
 
 @pytest.fixture(scope="module")
 def served():
-    s = _Served()
+    s = Served()
     yield s
-    _stop(s)
+    stop(s)
 
 
 @pytest.fixture
@@ -140,7 +31,7 @@ def channel(served):
 
 
 def _method(channel, name: str, kind: str = "unary_unary"):
-    return getattr(channel, kind)(f"/t.T/{name}", request_serializer=_same, response_deserializer=_same)
+    return getattr(channel, kind)(f"/t.T/{name}", request_serializer=same, response_deserializer=same)
 
 
 def test_the_four_kinds_of_method(served, channel):
@@ -248,16 +139,15 @@ def test_many_streams_on_one_connection(channel):
 
 
 def test_closed_streams_are_not_held(served, channel):
-    """The connection drops the streams of finished calls (`_H2Connection` counts open streams
-    less often than `h2` does, and must still cull them)."""
+    """The connection drops the calls that finished: only open streams are held."""
     echo = _method(channel, "Echo")
     for i in range(300):
         assert echo(b"%d" % i, timeout=WAIT_S) == b"echo:%d" % i
 
     async def held() -> list[int]:
-        return [len(c.h2.streams) for c in served.server.connections]
+        return [len(c.calls) for c in served.server.connections]
 
-    assert max(served.call(held())) <= 64 + 1
+    assert max(served.call(held())) == 0
 
 
 def test_reflection_lists_the_services(channel):
@@ -278,7 +168,7 @@ def test_bytes_that_are_not_http2_close_only_their_connection(served, channel):
     assert _method(channel, "Echo")(b"still", timeout=WAIT_S) == b"echo:still"
 
 
-def _waiting_call(s: _Served, ch):
+def _waiting_call(s: Served, ch):
     """A `Wait` call, once the server holds it."""
     future = _method(ch, "Wait").future(b"", timeout=WAIT_S)
     deadline = time.monotonic() + WAIT_S
@@ -288,13 +178,8 @@ def _waiting_call(s: _Served, ch):
     return future
 
 
-def _end_loop(s: _Served) -> None:
-    s.loop.call_soon_threadsafe(s.loop.stop)
-    s.thread.join(10)
-
-
 def test_a_stop_lets_calls_in_flight_finish():
-    s = _Served()
+    s = Served()
     try:
         with grpc.insecure_channel(s.address) as ch:
             future = _waiting_call(s, ch)
@@ -306,11 +191,11 @@ def test_a_stop_lets_calls_in_flight_finish():
             assert future.result(WAIT_S) == b"released"
             stopping.result(WAIT_S)
     finally:
-        _end_loop(s)
+        end_loop(s)
 
 
 def test_calls_still_running_when_the_grace_ends_are_told_so():
-    s = _Served()
+    s = Served()
     try:
         with grpc.insecure_channel(s.address) as ch:
             future = _waiting_call(s, ch)
@@ -319,47 +204,39 @@ def test_calls_still_running_when_the_grace_ends_are_told_so():
                 future.result(WAIT_S)
             assert e.value.code() == grpc.StatusCode.UNAVAILABLE
     finally:
-        _end_loop(s)
-
-
-def _stop(s: _Served) -> None:
-    s.call(s.server.stop(0))
-    _end_loop(s)
+        end_loop(s)
 
 
 def test_keepalive_pings_close_a_connection_whose_client_is_gone():
     """A client that answers no PING (here: one that stopped reading its socket, as a machine
     that vanished would) loses its connection, and its calls are cancelled; grpc's own client
     answers them and keeps its call."""
-    import h2.config
-    import h2.connection
-
-    s = _Served(keepalive_s=0.2, keepalive_timeout_s=0.3)
+    s = Served(keepalive_s=0.2, keepalive_timeout_s=0.3)
     try:
         with grpc.insecure_channel(s.address) as ch:
             alive = _method(ch, "Wait").future(b"", timeout=WAIT_S)
-            client = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
-            client.initiate_connection()
-            headers = [(":method", "POST"), (":scheme", "http"), (":authority", "t"), (":path", "/t.T/Wait")]
-            client.send_headers(1, headers + [("content-type", "application/grpc"), ("te", "trailers")])
-            client.send_data(1, b"\x00\x00\x00\x00\x00", end_stream=True)
-            with socket.create_connection(("127.0.0.1", s.port), timeout=WAIT_S) as sock:
-                sock.sendall(client.data_to_send())  # then reads nothing, answers nothing
+            silent = RawClient(s.port, timeout_s=WAIT_S)
+            try:
+                request = http2.frame(http2.HEADERS, http2.END_HEADERS, 1, request_block(b"/t.T/Wait"))
+                silent.send(request + http2.frame(http2.DATA, http2.END_STREAM, 1, message(b"")))
+                # then it reads nothing, answers nothing
                 deadline = time.monotonic() + WAIT_S
                 while "wait" not in s.handlers.cancelled:
                     assert time.monotonic() < deadline, "the silent client's call was not cancelled"
                     time.sleep(0.05)
+            finally:
+                silent.close()
             time.sleep(1.0)  # several more keepalive rounds for grpc's client
             s.loop.call_soon_threadsafe(s.handlers.release.set)
             assert alive.result(WAIT_S) == b"released"
     finally:
-        _stop(s)
+        stop(s)
 
 
 def test_a_handler_that_does_not_read_holds_a_streaming_client():
     """Request messages wait for their handler only up to the client's window: past it the client
     is held, and once the handler reads, every message arrives."""
-    s = _Served()
+    s = Served()
     size, count, sent = 64 * 1024, 600, [0]
 
     def requests():
@@ -384,4 +261,4 @@ def test_a_handler_that_does_not_read_holds_a_streaming_client():
             s.loop.call_soon_threadsafe(s.handlers.release.set)
             assert future.result(WAIT_S) == b"%d" % count
     finally:
-        _stop(s)
+        stop(s)

@@ -17,7 +17,7 @@ from typing import Optional
 
 import grpc
 
-from services.common.h2_grpc import wire
+from services.common.h2_grpc import http2, wire
 
 logger = logging.getLogger(__name__)
 
@@ -26,6 +26,11 @@ _BURST = 32
 """Messages a handler may send in a row without the event loop running in between."""
 _QUEUED_REQUESTS = 8
 """Request messages that may wait for the handler before the client's window stops it."""
+_CONTENT_TYPE = http2.literal(b"content-type", b"application/grpc")
+_HEAD = http2.STATUS_200 + _CONTENT_TYPE + http2.literal(b"grpc-accept-encoding", wire.ACCEPT_ENCODING.encode())
+"""A response's HEADERS without metadata: the same bytes every time."""
+_TRAILERS_ONLY_HEAD = http2.STATUS_200 + _CONTENT_TYPE
+_STATUS = {code: http2.literal(b"grpc-status", str(code.value[0]).encode()) for code in grpc.StatusCode}
 
 
 class _Status(Exception):
@@ -45,7 +50,15 @@ class ServerCall:
         """`conn`: the `GrpcConnection` the call came on."""
         self.conn = conn
         self.stream_id = stream_id
-        self.h2_stream = conn.h2.streams[stream_id]
+        self.send_window = 0
+        """What the client's window for this stream lets the server send (the connection sets it)."""
+        self.receive_window = 1 << 24
+        """What the client may still send on this stream before the server gives bytes back (the
+        connection's accounting: `GrpcConnection.acknowledge`)."""
+        self.taken = 0
+        """Request bytes taken and not yet given back to the client's window."""
+        self.remote_open = True
+        """The client has not ended its side of the stream."""
         fields = {}
         for key, value in headers:
             if key[:1] == b":" or key in (b"content-type", b"grpc-timeout", b"grpc-encoding"):
@@ -59,8 +72,8 @@ class ServerCall:
         self._peer = peer
         self.pending = bytearray()
         """Message bytes the client's windows hold back (sent as they open: `GrpcConnection.pump`)."""
-        self.trailers: Optional[list] = None
-        """The status, waiting for `pending` to go out first."""
+        self.trailers: Optional[bytes] = None
+        """The status's header block, waiting for `pending` to go out first."""
         self.headers_sent = False
         self.closed = False
         """The status went (or is waiting behind `pending`), or the stream was reset."""
@@ -232,8 +245,8 @@ class ServerCall:
 
     def _send_headers(self, metadata=()) -> None:
         self.headers_sent = True
-        headers = [*wire.RESPONSE_HEAD, (b"grpc-accept-encoding", wire.ACCEPT_ENCODING.encode())]
-        self.conn.send_headers(self, headers + wire.header_pairs(metadata), end_stream=False)
+        block = _HEAD + http2.header_block(wire.header_pairs(metadata)) if metadata else _HEAD
+        self.conn.send_headers(self, block, end_stream=False)
 
     async def _drain(self) -> None:
         if self.closed:
@@ -247,13 +260,14 @@ class ServerCall:
             return
         self.closed = True
         self._cancel_timer()
-        trailers = [(b"grpc-status", str(code.value[0]).encode())]
+        trailers = _STATUS[code]
         if details:
-            trailers.append((b"grpc-message", wire.encode_details(details).encode("ascii")))
-        trailers += wire.header_pairs(self._trailing)
+            trailers += http2.literal(b"grpc-message", wire.encode_details(details).encode("ascii"))
+        if self._trailing:
+            trailers += http2.header_block(wire.header_pairs(self._trailing))
         if not self.headers_sent:  # trailers-only: one HEADERS frame
             self.headers_sent = True
-            trailers = [*wire.RESPONSE_HEAD, *trailers]
+            trailers = _TRAILERS_ONLY_HEAD + trailers
         self.trailers = trailers
         self.conn.end_call(self)
 

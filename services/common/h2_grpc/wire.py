@@ -1,5 +1,5 @@
-"""gRPC over HTTP/2 on the wire: the length-prefixed message, raw DATA and GOAWAY frames, metadata
-as headers, the `grpc-timeout` header, and the percent-encoded `grpc-message`."""
+"""gRPC over HTTP/2 on the wire: the length-prefixed message, metadata as headers, the `grpc-timeout`
+header, and the percent-encoded `grpc-message`."""
 
 from __future__ import annotations
 
@@ -10,29 +10,14 @@ from typing import Optional
 
 MESSAGE_PREFIX = 5
 """A message's prefix: a compressed flag (1 byte) and its length (4 bytes, big-endian)."""
-GOAWAY = 0x7
-RESPONSE_HEAD = [(b":status", b"200"), (b"content-type", b"application/grpc")]
-"""What every response's first HEADERS frame begins with."""
 _NOT_METADATA = frozenset(
     {"content-type", "te", "grpc-timeout", "grpc-encoding", "grpc-accept-encoding", "content-length"}
 )
 
 
-def data_frame(stream_id: int, payload) -> bytes:
-    """One DATA frame of `payload` (no flags): the caller has checked the flow-control windows and the
-    peer's maximum frame size."""
-    return len(payload).to_bytes(3, "big") + b"\x00\x00" + stream_id.to_bytes(4, "big") + payload
-
-
 def message(payload: bytes) -> bytes:
     """A serialized message as gRPC frames it (uncompressed)."""
     return b"\x00" + len(payload).to_bytes(4, "big") + payload
-
-
-def goaway_frame(last_stream_id: int) -> bytes:
-    """GOAWAY (NO_ERROR): the peer opens no new streams; those up to `last_stream_id` finish. Written
-    beside the `h2` state machine, which would refuse every send on the connection after its own."""
-    return (8).to_bytes(3, "big") + bytes([GOAWAY, 0]) + b"\x00" * 4 + last_stream_id.to_bytes(4, "big") + b"\x00" * 4
 
 
 _TIMEOUT = re.compile(r"^(\d{1,8})([HMSmun])$")

@@ -87,7 +87,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--grpc-server",
         choices=("h2", "grpcio"),
         default="h2",
-        help="the gateway's gRPC server (deepinfer serve --grpc-server)",
+        help="the gateway's and the workers' gRPC servers (deepinfer serve --grpc-server)",
     )
     p.add_argument("--quick", action="store_true", help="short windows and few requests (tests)")
     p.add_argument("--json", default=None, help="write every number here")

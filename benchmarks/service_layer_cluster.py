@@ -38,7 +38,7 @@ class LoadOptions:
     api_workers: int = 1
     """API processes of the head (`--api-workers`); their CPU is the head's."""
     grpc_server: str = "h2"
-    """The gateway's gRPC server (`deepinfer serve --grpc-server`)."""
+    """The gateway's and the workers' gRPC servers (`deepinfer serve --grpc-server`)."""
 
 
 class Cluster:
@@ -68,7 +68,7 @@ class Cluster:
         args = ["--router", self.router_address, f"--cluster-token={self.cluster_token}"]  # a token may start with "-"
         args += ["--worker-id", worker_id, "--pool", pool]
         args += ["--step-ms", str(o.step_ms), "--tokens-per-step", str(o.tokens_per_step)]
-        args += ["--stream-interval", str(o.stream_interval)]
+        args += ["--stream-interval", str(o.stream_interval), "--grpc-server", o.grpc_server]
         return self.children.start(worker_id, "benchmarks.service_layer_worker", args)
 
     @property

@@ -54,6 +54,7 @@ def start_server(args: argparse.Namespace, engine: TokenSourceEngine):
         cluster_token=args.cluster_token,
         metrics=False,
         stream_interval=args.stream_interval,
+        grpc_server=args.grpc_server,
     )
     server = WorkerServer(spec, engine=engine)
     server.start(timeout_s=60.0)
@@ -92,6 +93,7 @@ def main() -> None:
     parser.add_argument("--step-ms", type=float, default=20.0, help="engine step period")
     parser.add_argument("--tokens-per-step", type=int, default=1, help="tokens each running request gets per step")
     parser.add_argument("--stream-interval", type=int, default=1, help="tokens between a request's deltas")
+    parser.add_argument("--grpc-server", choices=("h2", "grpcio"), default="h2", help="the worker's gRPC server")
     parser.add_argument("--max-batch", type=int, default=0, help="requests advanced per step (0: max-num-seqs)")
     parser.add_argument("--max-num-seqs", type=int, default=4096)
     parser.add_argument("--max-model-len", type=int, default=4096)

@@ -115,8 +115,8 @@ def _add_admission_flags(p) -> None:
         "--grpc-server",
         choices=("h2", "grpcio"),
         default="h2",
-        help="the gateway's gRPC server: h2, its own HTTP/2 (a few µs of CPU a streamed message), or "
-        "grpcio, grpc's asyncio server (~40-65 µs a message) (default: h2)",
+        help="the gateway's and the workers' gRPC servers: h2, their own HTTP/2 (a few µs of CPU a streamed "
+        "message), or grpcio, grpc's asyncio server (~40-65 µs a message) (default: h2)",
     )
     p.add_argument(
         "--api-workers",

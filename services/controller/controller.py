@@ -49,6 +49,8 @@ class PoolSpec:
     """Vision encoders' batching, pool and cache."""
     stream_interval: int = 1
     """Tokens between a request's deltas on decode workers (`WorkerSpec.stream_interval`)."""
+    grpc_server: str = "h2"
+    """The workers' gRPC server (`WorkerSpec.grpc_server`)."""
     placements: dict[int, PoolPlacement] = field(default_factory=dict)
     """Per pool: the custom Ray resource and GPUs of one engine (a pool not listed: `gpus_per_worker`)."""
     placement_grace_s: float = 10.0
@@ -225,6 +227,7 @@ class ClusterController:
             log_level=s.log_level,
             encoder=s.encoder,
             stream_interval=s.stream_interval,
+            grpc_server=s.grpc_server,
         )
 
     async def _placed(self, worker_id: str, pool: int, placement: PoolPlacement, handle, deadline: float) -> None:

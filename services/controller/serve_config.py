@@ -62,7 +62,8 @@ class HeadConfig:
     max_request_bytes: int = 8 * 1024 * 1024
     """Largest HTTP body and gRPC message the gateway reads."""
     grpc_server: str = "h2"
-    """The gateway's gRPC server: "h2" (its own HTTP/2, the fast one) or "grpcio" (`grpc.aio`)."""
+    """The gateway's and the workers' gRPC servers: "h2" (their own HTTP/2, the fast one) or "grpcio"
+    (`grpc.aio`)."""
     api_workers: int = 1
     """API processes serving the same HTTP and gRPC ports (the head and `api_workers` - 1 more), each
     with a gateway and a router of its own: one event loop is then not the limit."""
@@ -189,4 +190,5 @@ class HeadConfig:
             reflection=self.internal_reflection,
             ep_sizes=self.ep_sizes,
             stream_interval=self.stream_interval,
+            grpc_server=self.grpc_server,
         )

@@ -41,12 +41,7 @@ class GatewayFront:
 
         self.core = core
         # the same size limit as an HTTP body's: a larger message is refused before it is parsed
-        if core.config.grpc_server == "h2":
-            self.grpc_server = H2GrpcServer(core.config.max_request_bytes)
-        elif core.config.grpc_server == "grpcio":
-            self.grpc_server = new_server(core.config.max_request_bytes)
-        else:
-            raise ValueError(f"grpc_server: 'h2' or 'grpcio', not {core.config.grpc_server!r}")
+        self.grpc_server = new_server(core.config.max_request_bytes, kind=core.config.grpc_server)
         servicer = GatewayService(core)
         add_lenient(gateway_pb2_grpc.add_GatewayServicer_to_server, servicer, self.grpc_server, RAW_RESPONSES)
         gateway_pb2_grpc.add_ClusterServicer_to_server(cluster_servicer, self.grpc_server)

@@ -100,3 +100,5 @@ class WorkerSpec:
     stream_interval: int = 1
     """A streaming worker (CE, NORMAL) sends a request's delta every this many tokens (the first
     and the last at once): `OutputStreams.stream_interval`."""
+    grpc_server: str = "h2"
+    """The worker's gRPC server (`grpc_util.GRPC_SERVERS`): its own HTTP/2, or `grpc.aio`."""

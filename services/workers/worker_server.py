@@ -120,7 +120,7 @@ class WorkerServer:
         info = worker_info(spec, engine, "") if self.role.engine_type is not None else encoder_info(spec, "")
         self.core = self.role.make_core(engine, spec)
         self.core.start()
-        self._server = new_server(cluster_token=spec.cluster_token)
+        self._server = new_server(cluster_token=spec.cluster_token, kind=spec.grpc_server)
         services = add_services(self._server, self.role, self.core)
         if spec.reflection:
             enable_reflection(self._server, services)

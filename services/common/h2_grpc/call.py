@@ -95,13 +95,17 @@ class ServerCall:
         self.task: Optional[asyncio.Task] = None
 
     # ---- from the connection --------------------------------------------------------------------
-    def start(self, handler) -> None:
-        """Run `handler` (a `grpc.RpcMethodHandler`; None: no such method), or refuse the call."""
+    def start(self, server) -> None:
+        """Run the method's handler (`server`: the `H2GrpcServer`, which finds it), or refuse the call."""
         if self._http_method != "POST" or not self._content_type.startswith("application/grpc"):
             return self._finish(grpc.StatusCode.INTERNAL, "not a gRPC request (POST, content-type application/grpc)")
-        if handler is None:
-            return self._finish(grpc.StatusCode.UNIMPLEMENTED, f"Method not found: {self.method}")
         loop = asyncio.get_running_loop()
+        if server.interceptors:
+            handler = server.resolve(self.method, self.metadata)  # awaited in the call's task
+        else:
+            handler = server.lookup(self.method, self.metadata)
+            if handler is None:
+                return self._finish(grpc.StatusCode.UNIMPLEMENTED, f"Method not found: {self.method}")
         if self._timeout is not None:
             self._deadline_timer = loop.call_later(self._timeout, self._expire)
         self.task = loop.create_task(self._run(handler))
@@ -158,8 +162,13 @@ class ServerCall:
 
     # ---- the handler ----------------------------------------------------------------------------
     async def _run(self, handler) -> None:
+        """`handler`: the method's, or an awaitable of it (the interceptors' verdict)."""
         code, details = _OK, ""
         try:
+            if inspect.isawaitable(handler):
+                handler = await handler
+                if handler is None:
+                    raise _Status(grpc.StatusCode.UNIMPLEMENTED, f"Method not found: {self.method}")
             deserialize = handler.request_deserializer
             if handler.request_streaming:
                 request = self._request_iterator(deserialize)

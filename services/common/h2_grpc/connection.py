@@ -342,7 +342,7 @@ class GrpcConnection(asyncio.Protocol):
         call = ServerCall(self, sid, headers, self._peer)
         call.send_window = self.initial_window
         self.calls[sid] = call
-        call.start(self.server.lookup(call.method, call.metadata))
+        call.start(self.server)
         if flags & http2.END_STREAM:
             call.remote_open = False
             call.end_of_requests()

@@ -11,14 +11,16 @@ It serves what the services register on a `grpc.aio.Server` the same way (the ge
 `add_*Servicer_to_server` and `grpc.method_handlers_generic_handler`), with the four kinds of
 method, status codes and details, initial and trailing metadata, `grpc-timeout`, cancellation by
 the client, compressed requests (gzip, deflate), a receive-size limit, TLS (ALPN h2), and a stop
-that lets calls in flight finish, keepalive PINGs that find clients gone. Server interceptors are
-not supported.
+that lets calls in flight finish, keepalive PINGs that find clients gone, and `grpc.aio` server
+interceptors (the cluster token's check on a worker's server).
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import socket
+from collections.abc import Sequence
 from typing import Optional
 
 import grpc
@@ -35,11 +37,17 @@ class _CallDetails(grpc.HandlerCallDetails):
 
 class H2GrpcServer:
     def __init__(
-        self, max_receive_bytes: int = 4 * 1024 * 1024, keepalive_s: float = 20.0, keepalive_timeout_s: float = 10.0
+        self,
+        max_receive_bytes: int = 4 * 1024 * 1024,
+        keepalive_s: float = 20.0,
+        keepalive_timeout_s: float = 10.0,
+        interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
     ):
         """`keepalive_s`: a PING to each client this often (0: none), which must be answered within
-        `keepalive_timeout_s` (the gateway's `grpc.aio` server pinged the same way)."""
+        `keepalive_timeout_s` (the gateway's `grpc.aio` server pinged the same way). `interceptors`:
+        `grpc.aio` server interceptors, run once a call, in order, before its method is found."""
         self.max_receive_bytes = max_receive_bytes
+        self.interceptors = tuple(interceptors)
         self.keepalive_s = keepalive_s
         self.keepalive_timeout_s = keepalive_timeout_s
         self.connections: set[GrpcConnection] = set()
@@ -66,6 +74,17 @@ class H2GrpcServer:
             if handler is not None:
                 return handler
         return None
+
+    async def resolve(self, method: str, metadata) -> Optional[grpc.RpcMethodHandler]:
+        """The handler the interceptors let through for a call (each may replace it)."""
+
+        async def found(details):
+            return self.lookup(details.method, details.invocation_metadata)
+
+        chain = found
+        for interceptor in reversed(self.interceptors):
+            chain = functools.partial(interceptor.intercept_service, chain)
+        return await chain(_CallDetails(method, metadata))
 
     # ---- ports ----------------------------------------------------------------------------------------
     def add_insecure_port(self, address: str) -> int:

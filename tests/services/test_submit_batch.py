@@ -17,6 +17,7 @@ from deepinfer_proto import worker_pb2, worker_pb2_grpc
 from services.common import auth
 from services.common.errors import ErrorCode, ServiceError
 from services.common.grpc_util import channel, error_from_rpc
+from services.common.h2_grpc.client import H2Channel
 from services.common.params import params_to_proto
 from services.common.workers import POOL_COLOCATED
 from services.router.clients import GrpcWorkerClient
@@ -139,7 +140,13 @@ async def _serve(servicer):
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     stub = auth.stub(worker_pb2_grpc.DecodeStub, channel(f"127.0.0.1:{port}"), "")
-    return server, SubmitBatcher(stub.SubmitBatch, stub.Submit, "worker w")
+    # as the router makes them: SubmitBatch on the package's own client, Submit on grpc.aio
+    submit_batch = H2Channel(f"127.0.0.1:{port}").unary_unary(
+        "/deepinfer.v1.Decode/SubmitBatch",
+        worker_pb2.SubmitBatchRequest.SerializeToString,
+        worker_pb2.SubmitBatchReply.FromString,
+    )
+    return server, SubmitBatcher(submit_batch, stub.Submit, "worker w")
 
 
 def _work(request_id: str) -> worker_pb2.GenerateWork:

@@ -18,6 +18,7 @@ from typing import Optional
 import grpc
 
 from services.common.h2_grpc import http2, wire
+from services.common.h2_grpc.peer import Stream
 
 logger = logging.getLogger(__name__)
 
@@ -45,20 +46,11 @@ def _wake(waiter: Optional[asyncio.Future]) -> None:
         waiter.set_result(None)
 
 
-class ServerCall:
+class ServerCall(Stream):
     def __init__(self, conn, stream_id: int, headers: list, peer: str):
         """`conn`: the `GrpcConnection` the call came on."""
+        super().__init__(stream_id)
         self.conn = conn
-        self.stream_id = stream_id
-        self.send_window = 0
-        """What the client's window for this stream lets the server send (the connection sets it)."""
-        self.receive_window = 1 << 24
-        """What the client may still send on this stream before the server gives bytes back (the
-        connection's accounting: `GrpcConnection.acknowledge`)."""
-        self.taken = 0
-        """Request bytes taken and not yet given back to the client's window."""
-        self.remote_open = True
-        """The client has not ended its side of the stream."""
         fields = {}
         for key, value in headers:
             if key[:1] == b":" or key in (b"content-type", b"grpc-timeout", b"grpc-encoding"):
@@ -70,14 +62,11 @@ class ServerCall:
         self._timeout = wire.timeout_s(fields[b"grpc-timeout"]) if b"grpc-timeout" in fields else None
         self.metadata = wire.metadata_of(headers)
         self._peer = peer
-        self.pending = bytearray()
-        """Message bytes the client's windows hold back (sent as they open: `GrpcConnection.pump`)."""
         self.trailers: Optional[bytes] = None
         """The status's header block, waiting for `pending` to go out first."""
         self.headers_sent = False
         self.closed = False
         """The status went (or is waiting behind `pending`), or the stream was reset."""
-        self.peer_gone = False
         self._requests: deque = deque()
         self._buffer = bytearray()
         self._unacknowledged = 0

@@ -8,6 +8,7 @@ that goes away are UNAVAILABLE; the channel connects again afterwards."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 
 import grpc
@@ -42,6 +43,18 @@ class _Server:
         return f"127.0.0.1:{self.port}"
 
 
+@contextlib.asynccontextmanager
+async def _channel(kind: str):
+    """A server of `kind` and a channel to it, both closed after."""
+    server = _Server(kind)
+    ch = H2Channel(await server.start())
+    try:
+        yield server, ch
+    finally:
+        await ch.close()
+        await server.server.stop(0)
+
+
 def _run(coro):
     return asyncio.run(asyncio.wait_for(coro, WAIT_S))
 
@@ -53,9 +66,7 @@ def kind(request):
 
 def test_unary_and_streaming_calls_with_metadata(kind):
     async def run():
-        server = _Server(kind)
-        ch = H2Channel(await server.start())
-        try:
+        async with _channel(kind) as (server, ch):
             echo = ch.unary_unary("/t.T/Echo", same, same)
             replies = await asyncio.gather(
                 *(echo(b"%d" % i, timeout=WAIT_S, metadata=(("x-n", str(i)),)) for i in range(50))
@@ -65,9 +76,6 @@ def test_unary_and_streaming_calls_with_metadata(kind):
             await call.initial_metadata()
             messages = [m async for m in call]
             return replies, seen, messages, await call.code(), call.done()
-        finally:
-            await ch.close()
-            await server.server.stop(0)
 
     replies, seen, messages, code, done = _run(run())
     assert replies == [b"echo:%d" % i for i in range(50)] and "x-n" in seen
@@ -77,17 +85,12 @@ def test_unary_and_streaming_calls_with_metadata(kind):
 
 def test_a_failure_is_raised_as_grpc_raises_it(kind):
     async def run():
-        server = _Server(kind)
-        ch = H2Channel(await server.start())
-        try:
+        async with _channel(kind) as (server, ch):
             with pytest.raises(grpc.aio.AioRpcError) as e:
                 await ch.unary_unary("/t.T/Refuse", same, same)(b"", timeout=WAIT_S)
             with pytest.raises(grpc.aio.AioRpcError) as missing:
                 await ch.unary_unary("/t.T/Nope", same, same)(b"", timeout=WAIT_S)
             return e.value, missing.value
-        finally:
-            await ch.close()
-            await server.server.stop(0)
 
     refused, missing = _run(run())
     assert refused.code() == grpc.StatusCode.INVALID_ARGUMENT and refused.details() == "no such thing: é 100%"
@@ -98,9 +101,7 @@ def test_a_failure_is_raised_as_grpc_raises_it(kind):
 
 def test_a_deadline_and_a_cancel_free_the_handler(kind):
     async def run():
-        server = _Server(kind)
-        ch = H2Channel(await server.start())
-        try:
+        async with _channel(kind) as (server, ch):
             with pytest.raises(grpc.aio.AioRpcError) as e:
                 await ch.unary_unary("/t.T/Wait", same, same)(b"", timeout=0.3)
             call = ch.unary_stream("/t.T/Count", same, same)(b"100000:10")
@@ -115,9 +116,6 @@ def test_a_deadline_and_a_cancel_free_the_handler(kind):
                     break
                 await asyncio.sleep(0.05)
             return e.value.code(), await call.code(), list(server.handlers.cancelled)
-        finally:
-            await ch.close()
-            await server.server.stop(0)
 
     deadline_code, cancelled_code, cancelled = _run(run())
     assert deadline_code == grpc.StatusCode.DEADLINE_EXCEEDED and cancelled_code == grpc.StatusCode.CANCELLED

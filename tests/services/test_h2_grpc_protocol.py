@@ -6,6 +6,8 @@ a protocol violation ends the connection with GOAWAY and its code."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 
 from services.common.h2_grpc import http2
@@ -20,10 +22,15 @@ def served():
     stop(s)
 
 
-def _client(served, settings=None) -> RawClient:
+@contextlib.contextmanager
+def _client(served, settings=None):
+    """A raw client past the SETTINGS exchange, closed after."""
     client = RawClient(served.port, settings, timeout_s=WAIT_S)
-    client.until(lambda f: f.kind == http2.SETTINGS and f.flags & http2.ACK, "the SETTINGS ACK")
-    return client
+    try:
+        client.until(lambda f: f.kind == http2.SETTINGS and f.flags & http2.ACK, "the SETTINGS ACK")
+        yield client
+    finally:
+        client.close()
 
 
 def _echo(client: RawClient, sid: int, payload: bytes) -> tuple[dict, bytes, dict]:
@@ -43,6 +50,8 @@ def _response(client: RawClient, sid: int) -> tuple[dict, bytes, dict]:
         if f.kind == http2.HEADERS:
             if headers is None:
                 headers = client.headers(f)
+                if f.flags & http2.END_STREAM:  # trailers-only
+                    return headers, data, headers
                 continue
             assert f.flags & http2.END_STREAM
             return headers, data, client.headers(f)
@@ -51,8 +60,7 @@ def _response(client: RawClient, sid: int) -> tuple[dict, bytes, dict]:
 
 
 def test_a_request_in_continuation_frames_with_padding_and_priority(served):
-    client = _client(served)
-    try:
+    with _client(served) as client:
         block = request_block(b"/t.T/Echo", [(b"x-big", b"v" * 40_000)])  # over one 16 KB frame
         first = bytes([3]) + b"\x00\x00\x00\x00\x10" + block[:10_000] + b"\x00" * 3  # pad 3, priority
         frames = http2.frame(http2.HEADERS, http2.PADDED | http2.PRIORITY_FLAG, 1, first)
@@ -64,13 +72,10 @@ def test_a_request_in_continuation_frames_with_padding_and_priority(served):
         assert headers[b":status"] == b"200" and headers[b"content-type"] == b"application/grpc"
         assert data == message(b"echo:hi") and trailers[b"grpc-status"] == b"0"
         assert served.handlers.seen["metadata"]["x-big"] == "v" * 40_000
-    finally:
-        client.close()
 
 
 def test_pings_are_answered_and_a_smaller_header_table_is_acknowledged(served):
-    client = _client(served, {http2.HEADER_TABLE_SIZE: 0})
-    try:
+    with _client(served, {http2.HEADER_TABLE_SIZE: 0}) as client:
         client.send(http2.ping(b"12345678"))
         pong = client.until(lambda f: f.kind == http2.PING, "the PING's answer")
         assert pong.flags & http2.ACK and pong.payload == b"12345678"
@@ -80,13 +85,10 @@ def test_pings_are_answered_and_a_smaller_header_table_is_acknowledged(served):
         head = client.until(lambda f: f.kind == http2.HEADERS, "the response's HEADERS")
         assert head.payload[:1] == http2.table_size_update(0)
         assert client.headers(head)[b":status"] == b"200"
-    finally:
-        client.close()
 
 
 def test_small_windows_hold_a_response_until_the_client_opens_them(served):
-    client = _client(served, {http2.INITIAL_WINDOW_SIZE: 0})
-    try:
+    with _client(served, {http2.INITIAL_WINDOW_SIZE: 0}) as client:
         client.send(http2.frame(http2.HEADERS, http2.END_HEADERS, 1, request_block(b"/t.T/Count")))
         client.send(http2.frame(http2.DATA, http2.END_STREAM, 1, message(b"3:100")))
         client.until(lambda f: f.kind == http2.HEADERS and f.stream_id == 1, "the response's HEADERS")
@@ -105,21 +107,16 @@ def test_small_windows_hold_a_response_until_the_client_opens_them(served):
             data += f.payload
         assert data == b"".join(message(str(i).encode().ljust(100, b".")) for i in range(3))
         assert client.headers(f)[b"grpc-status"] == b"0"
-    finally:
-        client.close()
 
 
 def test_a_malformed_request_resets_its_stream_and_the_connection_serves_on(served):
-    client = _client(served)
-    try:
+    with _client(served) as client:
         bad = request_block(b"/t.T/Echo", [(b"X-Upper", b"1")])
         client.send(http2.frame(http2.HEADERS, http2.END_HEADERS | http2.END_STREAM, 1, bad))
         reset = client.until(lambda f: f.stream_id == 1, "the reset")
         assert reset.kind == http2.RST_STREAM and int.from_bytes(reset.payload, "big") == http2.PROTOCOL_ERROR
         headers, data, trailers = _echo(client, 3, b"again")
         assert data == message(b"echo:again") and trailers[b"grpc-status"] == b"0"
-    finally:
-        client.close()
 
 
 @pytest.mark.parametrize(
@@ -146,12 +143,21 @@ def test_a_malformed_request_resets_its_stream_and_the_connection_serves_on(serv
     ],
 )
 def test_a_protocol_violation_ends_the_connection_with_its_code(served, frames, code):
-    client = _client(served)
-    try:
+    with _client(served) as client:
         client.send(frames)
         goaway = client.until(lambda f: f.kind == http2.GOAWAY, "GOAWAY")
         assert int.from_bytes(goaway.payload[4:8], "big") == code
         while client.frame() is not None:  # then the server closes the connection
             pass
-    finally:
-        client.close()
+
+
+def test_a_compressed_message_that_does_not_inflate_fails_only_its_call(served):
+    with _client(served) as client:
+        block = request_block(b"/t.T/Echo", [(b"grpc-encoding", b"gzip")])
+        garbage = b"\x01" + (9).to_bytes(4, "big") + b"not gzip!"
+        client.send(http2.frame(http2.HEADERS, http2.END_HEADERS, 1, block))
+        client.send(http2.frame(http2.DATA, http2.END_STREAM, 1, garbage))
+        _, _, trailers = _response(client, 1)
+        assert trailers[b"grpc-status"] == b"13" and b"inflate" in trailers[b"grpc-message"]
+        _, data, _ = _echo(client, 3, b"fine")
+        assert data == message(b"echo:fine")

@@ -109,25 +109,13 @@ class ServerCall(Stream):
             self._unacknowledged += flow_controlled
         if self.closed:
             return
-        buf = self._buffer
-        buf += data
-        while len(buf) >= wire.MESSAGE_PREFIX:
-            length = int.from_bytes(buf[1:5], "big")
-            if length > limit:
-                return self._too_large(length, limit)
-            end = wire.MESSAGE_PREFIX + length
-            if len(buf) < end:
-                break
-            payload = bytes(buf[wire.MESSAGE_PREFIX : end])
-            if buf[0]:
-                try:
-                    payload = wire.decompress(self.encoding, payload)
-                except (ValueError, OSError) as e:
-                    return self._fail(grpc.StatusCode.INTERNAL, f"a compressed request message: {e}")
-                if len(payload) > limit:
-                    return self._too_large(len(payload), limit)
-            del buf[:end]
-            self._requests.append(payload)
+        self._buffer += data
+        try:
+            self._requests.extend(wire.take_messages(self._buffer, self.encoding, limit))
+        except wire.MessageTooLarge as e:
+            return self._fail(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+        except ValueError as e:
+            return self._fail(grpc.StatusCode.INTERNAL, f"a compressed request message: {e}")
         self._wake_reader()
 
     def end_of_requests(self) -> None:
@@ -277,9 +265,6 @@ class ServerCall(Stream):
         if task is not None and not task.done():
             self.peer_gone = True  # its own status is out: the cancelled handler sends none
             task.cancel()
-
-    def _too_large(self, size: int, limit: int) -> None:
-        self._fail(grpc.StatusCode.RESOURCE_EXHAUSTED, f"Received message larger than max ({size} vs. {limit})")
 
     def _expire(self) -> None:
         self._deadline_timer = None

@@ -107,25 +107,13 @@ class ClientCall(Stream):
         self.finish(code, details, _metadata(headers))
 
     def on_data(self, data: bytes) -> None:
-        buf = self._buffer
-        buf += data
-        while len(buf) >= wire.MESSAGE_PREFIX:
-            length = int.from_bytes(buf[1:5], "big")
-            if length > self.limit:
-                return self.cancel(
-                    grpc.StatusCode.RESOURCE_EXHAUSTED, f"Received message larger than max ({length} vs. {self.limit})"
-                )
-            end = wire.MESSAGE_PREFIX + length
-            if len(buf) < end:
-                break
-            payload = bytes(buf[wire.MESSAGE_PREFIX : end])
-            if buf[0]:
-                try:
-                    payload = wire.decompress(self._encoding, payload)
-                except (ValueError, OSError) as e:
-                    return self.cancel(grpc.StatusCode.INTERNAL, f"a compressed response message: {e}")
-            del buf[:end]
-            self._messages.append(payload)
+        self._buffer += data
+        try:
+            self._messages.extend(wire.take_messages(self._buffer, self._encoding, self.limit))
+        except wire.MessageTooLarge as e:
+            return self.cancel(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+        except ValueError as e:
+            return self.cancel(grpc.StatusCode.INTERNAL, f"a compressed response message: {e}")
         self._wake()
 
     def finish(self, code: grpc.StatusCode, details: str, trailing: tuple = ()) -> None:

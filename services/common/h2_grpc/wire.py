@@ -39,12 +39,41 @@ def encode_details(details: str) -> str:
 
 
 def decompress(encoding: str, data: bytes) -> bytes:
-    """A compressed message's bytes (`grpc-encoding` gzip or deflate); ValueError otherwise."""
-    if encoding == "gzip":
-        return zlib.decompress(data, 16 + zlib.MAX_WBITS)
-    if encoding == "deflate":
-        return zlib.decompress(data)
-    raise ValueError(f"messages compressed with {encoding!r} are not accepted")
+    """A compressed message's bytes (`grpc-encoding` gzip or deflate); ValueError otherwise, or when
+    they do not inflate."""
+    if encoding not in ("gzip", "deflate"):
+        raise ValueError(f"messages compressed with {encoding!r} are not accepted")
+    try:
+        return zlib.decompress(data, 16 + zlib.MAX_WBITS if encoding == "gzip" else zlib.MAX_WBITS)
+    except zlib.error as e:
+        raise ValueError(f"{encoding} data that does not inflate: {e}") from None
+
+
+class MessageTooLarge(Exception):
+    def __init__(self, size: int, limit: int):
+        super().__init__(f"Received message larger than max ({size} vs. {limit})")
+
+
+def take_messages(buf: bytearray, encoding: str, limit: int) -> list[bytes]:
+    """The whole messages at the head of `buf`, taken from it and decompressed. Raises
+    `MessageTooLarge` for one over `limit` bytes (before it is read, or once inflated), ValueError
+    for a compressed one that cannot be read."""
+    out = []
+    while len(buf) >= MESSAGE_PREFIX:
+        length = int.from_bytes(buf[1:5], "big")
+        if length > limit:
+            raise MessageTooLarge(length, limit)
+        end = MESSAGE_PREFIX + length
+        if len(buf) < end:
+            break
+        payload = bytes(buf[MESSAGE_PREFIX:end])
+        if buf[0]:
+            payload = decompress(encoding, payload)
+            if len(payload) > limit:
+                raise MessageTooLarge(len(payload), limit)
+        del buf[:end]
+        out.append(payload)
+    return out
 
 
 ACCEPT_ENCODING = "identity,deflate,gzip"

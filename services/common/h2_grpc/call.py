@@ -18,7 +18,7 @@ from typing import Optional
 import grpc
 
 from services.common.h2_grpc import http2, wire
-from services.common.h2_grpc.peer import Stream
+from services.common.h2_grpc.stream import Stream
 
 logger = logging.getLogger(__name__)
 
@@ -146,36 +146,7 @@ class ServerCall(Stream):
                 handler = await handler
                 if handler is None:
                     raise _Status(grpc.StatusCode.UNIMPLEMENTED, f"Method not found: {self.method}")
-            deserialize = handler.request_deserializer
-            if handler.request_streaming:
-                request = self._request_iterator(deserialize)
-            else:
-                payload = await self._next_request()
-                if payload is None:
-                    raise _Status(grpc.StatusCode.INTERNAL, "the call ended without its request message")
-                request = self._parse(deserialize, payload)
-            self._serialize = handler.response_serializer
-            if handler.response_streaming:
-                fn = handler.stream_stream if handler.request_streaming else handler.unary_stream
-                result = fn(request, self)
-                if inspect.isasyncgen(result):
-                    try:
-                        async for item in result:
-                            await self.write(item)
-                    finally:
-                        await result.aclose()  # cancelled while sending: the handler's own `finally` runs now
-                elif inspect.isawaitable(result):
-                    await result  # it wrote its messages with `context.write`
-                elif result is not None:
-                    for item in result:
-                        await self.write(item)
-            else:
-                fn = handler.stream_unary if handler.request_streaming else handler.unary_unary
-                result = fn(request, self)
-                if inspect.isawaitable(result):
-                    result = await result
-                if result is not None and self._code in (None, _OK):
-                    await self.write(result)
+            await self._serve(handler)
             code, details = self._code or _OK, self._details or ""
         except grpc.aio.AbortError:
             code, details = self._code, self._details or ""
@@ -199,6 +170,39 @@ class ServerCall(Stream):
             for callback in self._done_callbacks:
                 callback(self)
         self._finish(code, details)
+
+    async def _serve(self, handler) -> None:
+        """Read the request (or hand the handler its iterator), run the handler, send what it returns."""
+        deserialize = handler.request_deserializer
+        if handler.request_streaming:
+            request = self._request_iterator(deserialize)
+        else:
+            payload = await self._next_request()
+            if payload is None:
+                raise _Status(grpc.StatusCode.INTERNAL, "the call ended without its request message")
+            request = self._parse(deserialize, payload)
+        self._serialize = handler.response_serializer
+        if handler.response_streaming:
+            fn = handler.stream_stream if handler.request_streaming else handler.unary_stream
+            result = fn(request, self)
+            if inspect.isasyncgen(result):
+                try:
+                    async for item in result:
+                        await self.write(item)
+                finally:
+                    await result.aclose()  # cancelled while sending: the handler's own `finally` runs now
+            elif inspect.isawaitable(result):
+                await result  # it wrote its messages with `context.write`
+            elif result is not None:
+                for item in result:
+                    await self.write(item)
+        else:
+            fn = handler.stream_unary if handler.request_streaming else handler.unary_unary
+            result = fn(request, self)
+            if inspect.isawaitable(result):
+                result = await result
+            if result is not None and self._code in (None, _OK):
+                await self.write(result)
 
     @staticmethod
     def _parse(deserialize, payload: bytes):

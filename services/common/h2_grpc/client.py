@@ -19,22 +19,15 @@ requests are not compressed and responses may be (gzip, deflate).
 from __future__ import annotations
 
 import asyncio
-import urllib.parse
-from collections import deque
 from collections.abc import Callable
 from typing import Optional
 
 import grpc
 
 from services.common.h2_grpc import http2, wire
-from services.common.h2_grpc.peer import Http2Peer, Stream
+from services.common.h2_grpc.client_call import ClientCall, resolve, rpc_error
+from services.common.h2_grpc.peer import Http2Peer
 
-_CANCEL = 0x8
-"""HTTP/2's CANCEL error code: the stream is no longer needed."""
-_CODES = {status.value[0]: status for status in grpc.StatusCode}
-_HTTP_STATUS = {400: "INTERNAL", 401: "UNAUTHENTICATED", 403: "PERMISSION_DENIED", 404: "UNIMPLEMENTED"}
-_HTTP_STATUS.update({429: "UNAVAILABLE", 502: "UNAVAILABLE", 503: "UNAVAILABLE", 504: "UNAVAILABLE"})
-"""How a response that is not gRPC's maps to a status (gRPC's HTTP-to-status table)."""
 _REQUEST_TAIL = http2.header_block(
     [
         (b"content-type", b"application/grpc"),
@@ -45,130 +38,9 @@ _REQUEST_TAIL = http2.header_block(
 )
 
 
-def _error(code: grpc.StatusCode, details: str, initial=(), trailing=()) -> grpc.aio.AioRpcError:
-    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(*initial), grpc.aio.Metadata(*trailing), details)
-
-
 def _timeout_header(timeout: float) -> bytes:
     ms = max(1, int(timeout * 1000))
     return b"%dm" % ms if ms < 10**8 else b"%dS" % min(timeout, 10**8 - 1)
-
-
-class ClientCall(Stream):
-    """One call's stream: its response headers, messages and status as they arrive."""
-
-    def __init__(self, conn: ClientConnection, stream_id: int, limit: int):
-        super().__init__(stream_id)
-        self.conn = conn
-        self.send_window = conn.initial_window
-        self.limit = limit
-        self.initial: tuple = ()
-        self.status: Optional[tuple[grpc.StatusCode, str, tuple]] = None
-        """(code, details, trailing metadata) once the call ended."""
-        self.end_after_pending = False
-        """The request's END_STREAM waits for `pending` to go out."""
-        self._headers_seen = False
-        self._encoding = "identity"
-        self._messages: deque = deque()
-        self._buffer = bytearray()
-        self._waiter: Optional[asyncio.Future] = None
-        loop = asyncio.get_running_loop()
-        self.headers_arrived = loop.create_future()
-        """Resolved once the response's headers came, or the call ended."""
-        self.ended = loop.create_future()
-        """Resolved once the call ended (`status`)."""
-        self._deadline = None
-
-    # ---- from the connection --------------------------------------------------------------------
-    def on_headers(self, headers: list, end_stream: bool) -> None:
-        fields = dict(headers)
-        if not self._headers_seen:
-            self._headers_seen = True
-            status = fields.get(b":status", b"")
-            if status != b"200":
-                code = getattr(grpc.StatusCode, _HTTP_STATUS.get(int(status or 0), "UNKNOWN"))
-                return self.finish(code, f"the server answered HTTP status {status.decode() or '(none)'}")
-            if not fields.get(b"content-type", b"").startswith(b"application/grpc"):
-                return self.finish(grpc.StatusCode.UNKNOWN, "the server's response is not gRPC")
-            self._encoding = fields.get(b"grpc-encoding", b"identity").decode("ascii", "replace")
-            self.initial = _metadata(headers)
-            if not end_stream:
-                _resolve(self.headers_arrived)
-                return
-        elif not end_stream:
-            return self.finish(grpc.StatusCode.INTERNAL, "trailers without END_STREAM")
-        value = fields.get(b"grpc-status")
-        if value is None:
-            return self.finish(grpc.StatusCode.UNKNOWN, "the server sent no status")
-        details = urllib.parse.unquote(fields.get(b"grpc-message", b"").decode("ascii", "replace"))
-        code = _CODES.get(int(value), grpc.StatusCode.UNKNOWN) if value.isdigit() else grpc.StatusCode.UNKNOWN
-        if code == grpc.StatusCode.OK and self._buffer:
-            code, details = grpc.StatusCode.INTERNAL, "the stream ended inside a message"
-        self.finish(code, details, _metadata(headers))
-
-    def on_data(self, data: bytes) -> None:
-        self._buffer += data
-        try:
-            self._messages.extend(wire.take_messages(self._buffer, self._encoding, self.limit))
-        except wire.MessageTooLarge as e:
-            return self.cancel(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
-        except ValueError as e:
-            return self.cancel(grpc.StatusCode.INTERNAL, f"a compressed response message: {e}")
-        self._wake()
-
-    def finish(self, code: grpc.StatusCode, details: str, trailing: tuple = ()) -> None:
-        if self.status is not None:
-            return
-        self.status = (code, details, trailing)
-        conn = self.conn
-        conn.calls.pop(self.stream_id, None)
-        if self._deadline is not None:
-            self._deadline.cancel()
-        _resolve(self.headers_arrived)
-        _resolve(self.ended)
-        self._wake()
-        if not conn.usable and not conn.calls and conn.transport is not None:
-            conn.transport.close()  # told to go away (or out of stream ids), and its last call is over
-
-    def expire_at(self, timeout: float) -> None:
-        self._deadline = asyncio.get_running_loop().call_later(timeout, self._expire)
-
-    def _expire(self) -> None:
-        self._deadline = None
-        if self.status is None:
-            self.cancel(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
-
-    def cancel(self, code: grpc.StatusCode = grpc.StatusCode.CANCELLED, details: str = "Locally cancelled") -> None:
-        """End the call with `code`, and reset its stream (CANCEL) so that the server lets it go."""
-        if self.status is None:
-            self.finish(code, details)
-            self.conn.reset(self, _CANCEL)
-
-    # ---- for the caller -------------------------------------------------------------------------
-    async def next_message(self) -> Optional[bytes]:
-        """The next response message; None once the call ended OK; raises its failure."""
-        while not self._messages:
-            if self.status is not None:
-                code, details, trailing = self.status
-                if code == grpc.StatusCode.OK:
-                    return None
-                raise _error(code, details, self.initial, trailing)
-            self._waiter = asyncio.get_running_loop().create_future()
-            await self._waiter
-        return self._messages.popleft()
-
-    def _wake(self) -> None:
-        waiter, self._waiter = self._waiter, None
-        _resolve(waiter)
-
-
-def _resolve(future: Optional[asyncio.Future]) -> None:
-    if future is not None and not future.done():
-        future.set_result(None)
-
-
-def _metadata(headers: list) -> tuple:
-    return tuple((k, v) for k, v in wire.metadata_of(headers) if k not in ("grpc-status", "grpc-message"))
 
 
 class ClientConnection(Http2Peer):
@@ -224,7 +96,7 @@ class ClientConnection(Http2Peer):
     def _stream_reset(self, sid: int, code: int) -> None:
         call = self.calls.pop(sid, None)
         if call is not None:
-            status = {http2.REFUSED_STREAM: "UNAVAILABLE", _CANCEL: "CANCELLED"}.get(code, "INTERNAL")
+            status = {http2.REFUSED_STREAM: "UNAVAILABLE", http2.CANCEL: "CANCELLED"}.get(code, "INTERNAL")
             call.finish(getattr(grpc.StatusCode, status), f"the server reset the stream (HTTP/2 error {code})")
 
     def _reset_sent(self, call: ClientCall, code: int) -> None:
@@ -245,7 +117,7 @@ class ClientConnection(Http2Peer):
     def connection_lost(self, exc) -> None:
         self.usable = False
         super().connection_lost(exc)
-        _resolve(self.lost)
+        resolve(self.lost)
 
 
 class H2Channel:
@@ -283,7 +155,7 @@ class H2Channel:
                 lambda: ClientConnection(self.address.encode(), *self._keepalive), host.strip("[]"), int(port)
             )
         except (OSError, ValueError) as e:
-            raise _error(grpc.StatusCode.UNAVAILABLE, f"failed to connect to {self.address}: {e}") from None
+            raise rpc_error(grpc.StatusCode.UNAVAILABLE, f"failed to connect to {self.address}: {e}") from None
         self._conn = conn
         return conn
 
@@ -298,9 +170,9 @@ class H2Channel:
             try:
                 reply = await started.next_message()
                 if reply is None:
-                    raise _error(grpc.StatusCode.INTERNAL, "the call ended without its response message")
+                    raise rpc_error(grpc.StatusCode.INTERNAL, "the call ended without its response message")
                 if await started.next_message() is not None:
-                    raise _error(grpc.StatusCode.INTERNAL, "a unary call answered with several messages")
+                    raise rpc_error(grpc.StatusCode.INTERNAL, "a unary call answered with several messages")
             except asyncio.CancelledError:
                 started.cancel()
                 raise
@@ -341,7 +213,7 @@ class StreamCall:
         try:
             conn = await channel.connection()
         except (grpc.aio.AioRpcError, grpc.aio.UsageError) as e:
-            self._failed = e if isinstance(e, grpc.aio.AioRpcError) else _error(grpc.StatusCode.UNAVAILABLE, str(e))
+            self._failed = e if isinstance(e, grpc.aio.AioRpcError) else rpc_error(grpc.StatusCode.UNAVAILABLE, str(e))
             return
         self._call = conn.start_call(path, payload, timeout, metadata, channel.max_receive_bytes)
         if self._cancelled:

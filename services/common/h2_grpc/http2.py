@@ -31,6 +31,7 @@ FLOW_CONTROL_ERROR = 0x3
 STREAM_CLOSED = 0x5
 FRAME_SIZE_ERROR = 0x6
 REFUSED_STREAM = 0x7
+CANCEL = 0x8
 COMPRESSION_ERROR = 0x9
 ENHANCE_YOUR_CALM = 0xB
 
@@ -48,6 +49,8 @@ DEFAULT_MAX_FRAME = 16384
 """The largest frame payload a peer takes before its SETTINGS say otherwise (and the largest this
 server takes: it does not raise its own)."""
 MAX_WINDOW = 2**31 - 1
+RECEIVE_WINDOW = 1 << 24
+"""The connection's and each stream's receive window, as this package's ends advertise them."""
 DEFAULT_TABLE_SIZE = 4096
 
 

@@ -18,8 +18,7 @@ What it keeps of the protocol, for both ends:
 - PING (answered; ours are keepalives, and a peer that answers none within the timeout is gone);
 - a connection error ends the connection with GOAWAY and its code; a stream error resets the stream.
 
-Writes coalesce: everything sent while the event loop runs its ready callbacks (the messages of
-many streams, the frames the protocol answers with, in order) leaves in one `transport.write`.
+What it writes, and how writes coalesce, is its sending half (`sending.py`).
 """
 
 from __future__ import annotations
@@ -32,11 +31,12 @@ import hpack
 import hpack.exceptions
 
 from services.common.h2_grpc import http2
+from services.common.h2_grpc.http2 import RECEIVE_WINDOW
+from services.common.h2_grpc.sending import Sender
+from services.common.h2_grpc.stream import Stream
 
 logger = logging.getLogger(__name__)
 
-RECEIVE_WINDOW = 1 << 24
-"""The connection's and each stream's receive window."""
 _RETURN_AT = RECEIVE_WINDOW // 2
 """Bytes taken before they are given back in one WINDOW_UPDATE: a unary call sends none."""
 _MAX_HEADER_BLOCK = 1 << 20
@@ -52,29 +52,7 @@ class ProtocolViolation(Exception):
         self.code = code
 
 
-class Stream:
-    """What the connection keeps of one stream (the server's and the client's calls are ones)."""
-
-    def __init__(self, stream_id: int):
-        self.stream_id = stream_id
-        self.send_window = 0
-        """What the peer's window for this stream lets this end send (set when the stream opens)."""
-        self.receive_window = RECEIVE_WINDOW
-        """What the peer may still send on this stream before bytes are given back."""
-        self.taken = 0
-        """Received bytes taken and not yet given back to the peer's window."""
-        self.remote_open = True
-        """The peer has not ended its side of the stream."""
-        self.pending = bytearray()
-        """Message bytes the peer's windows hold back (sent as they open: `Http2Peer.pump`)."""
-        self.peer_gone = False
-        """The stream was reset, or the connection lost: nothing more goes to it."""
-
-    def drained(self) -> None:
-        """What waited for the peer's windows or the socket went out."""
-
-
-class Http2Peer(asyncio.Protocol):
+class Http2Peer(Sender, asyncio.Protocol):
     client_side = False
 
     def __init__(self, keepalive_s: float, keepalive_timeout_s: float):
@@ -388,104 +366,3 @@ class Http2Peer(asyncio.Protocol):
                 call.receive_window += call.taken
                 call.taken = 0
                 self._flush_soon()
-
-    def reset(self, call: Stream, code: int) -> None:
-        """A stream error (or this end's cancel): the stream is reset and let go."""
-        self._out += http2.rst_stream(call.stream_id, code)
-        self._flush_soon()
-        self._reset_sent(call, code)
-
-    # ---- keepalive ------------------------------------------------------------------------------
-    def _arm_keepalive(self) -> None:
-        """A PING every `keepalive_s`; a peer that does not answer within `keepalive_timeout_s` is gone
-        (a machine that vanished sends no FIN): the connection closes and its streams end."""
-        if self._keepalive_s:
-            self._keepalive = self._loop.call_later(self._keepalive_s, self._ping)
-
-    def _ping(self) -> None:
-        if self.transport is None or self.transport.is_closing():
-            return
-        self._ping_outstanding = True
-        self._out += http2.ping(b"keepaliv")
-        self._flush()
-        self._keepalive = self._loop.call_later(self._keepalive_timeout_s, self._check_ping)
-
-    def _check_ping(self) -> None:
-        if self._ping_outstanding:
-            logger.info("HTTP/2 peer %s did not answer a keepalive ping: closing the connection", self.peer_name)
-            self.transport.abort()
-            return
-        self._arm_keepalive()
-
-    # ---- sending --------------------------------------------------------------------------------------
-    def send_headers(self, call: Stream, block: bytes, end_stream: bool) -> None:
-        """A header block (`http2.header_block`) on `call`'s stream."""
-        if call.peer_gone or self.transport is None or self.transport.is_closing():
-            return
-        if self._table_update:
-            block, self._table_update = self._table_update + block, b""
-        self._out += http2.headers_frames(call.stream_id, block, end_stream, self.max_frame)
-        self._flush_soon()
-
-    def send_data(self, call: Stream, data: bytes) -> None:
-        """`data` (framed messages) on `call`'s stream: now, or after what already waits."""
-        if call.peer_gone:
-            return
-        if call.pending:
-            call.pending += data
-            return
-        # `pump`'s common case written out: one small message a token, on windows with room
-        n = len(data)
-        if n <= self.send_window and n <= call.send_window and n <= self.max_frame:
-            self.send_window -= n
-            call.send_window -= n
-            self._out += http2.data_frame(call.stream_id, data)
-            if not self._flush_scheduled:
-                self._flush_scheduled = True
-                self._loop.call_soon(self._flush)
-            return
-        call.pending += data
-        self.pump(call)
-
-    def pump(self, call: Stream) -> None:
-        """Send what of `call.pending` the windows let through."""
-        pending = call.pending
-        out = self._out
-        while pending:
-            n = min(len(pending), self.send_window, call.send_window, self.max_frame)
-            if n <= 0:
-                break
-            out += http2.data_frame(call.stream_id, pending[:n])
-            del pending[:n]
-            self.send_window -= n
-            call.send_window -= n
-        if not pending:
-            self._sent_all(call)
-        self._flush_soon()
-
-    def _window_opened(self, sid: int) -> None:
-        if sid:
-            call = self.calls.get(sid)
-            if call is not None and call.pending:
-                self.pump(call)
-            return
-        for call in list(self.calls.values()):
-            if call.pending:
-                self.pump(call)
-
-    def _wake_all(self) -> None:
-        for call in list(self.calls.values()):
-            if not call.pending:
-                call.drained()
-
-    # ---- writing ----------------------------------------------------------------------------------
-    def _flush_soon(self) -> None:
-        if not self._flush_scheduled and self._loop is not None:
-            self._flush_scheduled = True
-            self._loop.call_soon(self._flush)
-
-    def _flush(self) -> None:
-        self._flush_scheduled = False
-        if self._out and self.transport is not None and not self.transport.is_closing():
-            out, self._out = self._out, bytearray()
-            self.transport.write(out)

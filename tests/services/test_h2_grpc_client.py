@@ -153,3 +153,41 @@ def test_no_server_a_server_gone_and_a_server_back_are_told_apart(kind):
     refused, first, gone, second = _run(run())
     assert refused == grpc.StatusCode.UNAVAILABLE and gone == grpc.StatusCode.UNAVAILABLE
     assert (first, second) == (b"echo:a", b"echo:b")
+
+
+def test_keepalive_finds_a_silent_server_only_while_calls_are_open():
+    """A server that never answers (a machine gone without a FIN): an open call ends UNAVAILABLE
+    once a PING goes unanswered; a connection with no call open sends no PING, so it stays."""
+
+    async def run():
+        held = []
+
+        async def silent(reader, writer):
+            held.append(writer)  # reads nothing, answers nothing
+            await asyncio.sleep(WAIT_S)
+
+        server = await asyncio.start_server(silent, "127.0.0.1", 0)
+        address = f"127.0.0.1:{server.sockets[0].getsockname()[1]}"
+        idle = H2Channel(address, keepalive_s=0.1, keepalive_timeout_s=0.2)
+        busy = H2Channel(address, keepalive_s=0.1, keepalive_timeout_s=0.2)
+        try:
+            with pytest.raises(grpc.aio.AioRpcError) as expired:
+                await idle.unary_unary("/t.T/Echo", same, same)(b"", timeout=0.05)
+            idle_conn = await idle.connection()
+            started = asyncio.get_running_loop().time()
+            with pytest.raises(grpc.aio.AioRpcError) as gone:
+                await busy.unary_unary("/t.T/Echo", same, same)(b"")  # no deadline: only keepalive ends it
+            waited = asyncio.get_running_loop().time() - started
+            await asyncio.sleep(0.5)
+            kept = await idle.connection() is idle_conn and not idle_conn.transport.is_closing()
+            return expired.value.code(), gone.value.code(), waited, kept
+        finally:
+            await idle.close()
+            await busy.close()
+            server.close()
+            for w in held:
+                w.close()
+
+    expired, gone, waited, kept = _run(run())
+    assert expired == grpc.StatusCode.DEADLINE_EXCEEDED and gone == grpc.StatusCode.UNAVAILABLE
+    assert waited < 5.0 and kept, "the idle connection was pinged (and, unanswered, closed)"

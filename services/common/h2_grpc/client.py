@@ -106,6 +106,9 @@ class ClientConnection(Http2Peer):
     def _stream_lost(self, call: ClientCall) -> None:
         call.finish(grpc.StatusCode.UNAVAILABLE, "the connection was lost")
 
+    def _keepalive_wanted(self) -> bool:
+        return bool(self.calls)
+
     def _go_away_received(self, last_stream_id: int, code: int) -> None:
         self.usable = False
         for sid, call in list(self.calls.items()):
@@ -156,6 +159,9 @@ class H2Channel:
             )
         except (OSError, ValueError) as e:
             raise rpc_error(grpc.StatusCode.UNAVAILABLE, f"failed to connect to {self.address}: {e}") from None
+        if self._closed:  # closed while it connected
+            conn.transport.close()
+            raise grpc.aio.UsageError("the channel is closed")
         self._conn = conn
         return conn
 

@@ -181,6 +181,11 @@ class Http2Peer(Sender, asyncio.Protocol):
     def _go_away_received(self, last_stream_id: int, code: int) -> None:
         """The peer sent GOAWAY."""
 
+    def _keepalive_wanted(self) -> bool:
+        """Whether to PING now (a client pings only while it has calls open, as grpc's clients do:
+        a server may take pings on an idle connection for abuse)."""
+        return True
+
     def _sent_all(self, call: Stream) -> None:
         """`call.pending` went out."""
         call.drained()

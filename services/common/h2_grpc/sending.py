@@ -37,6 +37,9 @@ class Sender:
     def _ping(self) -> None:
         if self.transport is None or self.transport.is_closing():
             return
+        if not self._keepalive_wanted():
+            self._arm_keepalive()
+            return
         self._ping_outstanding = True
         self._out += http2.ping(b"keepaliv")
         self._flush()

@@ -15,10 +15,11 @@ from services.common.errors import ErrorCode, ServiceError, code_from_grpc
 
 logger = logging.getLogger(__name__)
 
-_MAX_MESSAGE = 64 * 1024 * 1024
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+"""The largest message an internal call sends or takes."""
 CHANNEL_OPTIONS = [
-    ("grpc.max_send_message_length", _MAX_MESSAGE),
-    ("grpc.max_receive_message_length", _MAX_MESSAGE),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.keepalive_time_ms", 20_000),
     ("grpc.keepalive_timeout_ms", 10_000),
 ]
@@ -223,7 +224,7 @@ GRPC_SERVERS = ("h2", "grpcio")
 CPU a message) or `grpc.aio` (~40-65 µs a message, ~400 µs a call)."""
 
 
-def new_server(max_receive_bytes: int = _MAX_MESSAGE, *, cluster_token: str = "", kind: str = "grpcio"):
+def new_server(max_receive_bytes: int = MAX_MESSAGE_BYTES, *, cluster_token: str = "", kind: str = "grpcio"):
     """A server refusing (RESOURCE_EXHAUSTED, before parsing) messages over `max_receive_bytes`; with
     `cluster_token` it answers only calls that carry it (`services/common/auth.py`). `kind`: one of
     `GRPC_SERVERS`."""
@@ -257,6 +258,11 @@ def enable_reflection(server: grpc.aio.Server, service_full_names: list[str]) ->
         reflection.enable_server_reflection(names, server)
     else:  # an asyncio server of another kind (`H2GrpcServer`): the asyncio servicer all the same
         reflection_pb2_grpc.add_ServerReflectionServicer_to_server(_async.ReflectionServicer(names), server)
+
+
+def method_path(method) -> str:
+    """A method's path on the wire ("/package.Service/Method") from its descriptor."""
+    return f"/{method.containing_service.full_name}/{method.name}"
 
 
 def channel(address: str, options: Optional[list] = None) -> grpc.aio.Channel:

@@ -25,7 +25,7 @@ from deepinfer_proto import common_pb2, worker_pb2, worker_pb2_grpc
 from services.common import auth
 from services.common.deltas import SampleDelta
 from services.common.errors import ErrorCode, ServiceError
-from services.common.grpc_util import CALL_ERRORS, CHANNEL_OPTIONS, called, channel, error_from_rpc
+from services.common.grpc_util import CALL_ERRORS, MAX_MESSAGE_BYTES, called, channel, error_from_rpc, method_path
 from services.common.h2_grpc.client import H2Channel
 from services.common.messages import (
     delta_from_proto,
@@ -46,7 +46,7 @@ from services.router.subscription import DeltaSubscription, new_subscriber_id, s
 
 logger = logging.getLogger(__name__)
 
-_SUBMIT_BATCH = f"/{worker_pb2.DESCRIPTOR.services_by_name['Decode'].full_name}/SubmitBatch"
+_SUBMIT_BATCH = method_path(worker_pb2.DESCRIPTOR.services_by_name["Decode"].methods_by_name["SubmitBatch"])
 _SUBSCRIBE_TIMEOUT_S = 10.0
 """The longest a request waits for its worker's subscription to open."""
 
@@ -135,7 +135,7 @@ class GrpcWorkerClient:
         self._decode = auth.stub(worker_pb2_grpc.DecodeStub, self._channel, cluster_token)
         self._worker = auth.stub(worker_pb2_grpc.WorkerStub, self._channel, cluster_token)
         self._encoder = auth.stub(worker_pb2_grpc.EncoderStub, self._channel, cluster_token)
-        self._fast = H2Channel(info.address, max_receive_bytes=dict(CHANNEL_OPTIONS)["grpc.max_receive_message_length"])
+        self._fast = H2Channel(info.address, max_receive_bytes=MAX_MESSAGE_BYTES)
         """The calls made per request and per engine step (Subscribe, SubmitBatch), on the package's
         own HTTP/2 client: a fraction of `grpc.aio`'s CPU a call and a message."""
         self._subscribe_raw = auth.with_token(subscribe_raw(self._fast), cluster_token)

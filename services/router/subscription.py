@@ -24,7 +24,7 @@ import grpc
 
 from deepinfer_proto import worker_pb2
 from services.common.errors import ErrorCode, ServiceError
-from services.common.grpc_util import CALL_ERRORS, error_from_rpc
+from services.common.grpc_util import CALL_ERRORS, error_from_rpc, method_path
 from services.native import dispatch
 from services.router.inbox import RequestInbox
 
@@ -39,7 +39,7 @@ _SUBSCRIBE = worker_pb2.DESCRIPTOR.services_by_name["Decode"].methods_by_name["S
 def subscribe_raw(channel):
     """`Decode.Subscribe` whose replies are the `DeltaBatch`es' wire bytes, not parsed messages."""
     return channel.unary_stream(
-        f"/{_SUBSCRIBE.containing_service.full_name}/{_SUBSCRIBE.name}",
+        method_path(_SUBSCRIBE),
         request_serializer=worker_pb2.SubscribeRequest.SerializeToString,
         response_deserializer=None,
     )

@@ -92,6 +92,12 @@ class Served:
         self.server = self.start_server()
         self.address = f"127.0.0.1:{self.port}"
 
+    def __enter__(self) -> Served:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        stop(self)
+
     def call(self, coro):
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(WAIT_S)
 

@@ -19,9 +19,8 @@ from tests.helpers.raw_http2 import RawClient, message, request_block
 
 @pytest.fixture(scope="module")
 def served():
-    s = Served()
-    yield s
-    stop(s)
+    with Served() as s:
+        yield s
 
 
 @pytest.fixture

@@ -11,15 +11,14 @@ import contextlib
 import pytest
 
 from services.common.h2_grpc import http2
-from tests.helpers.grpc_served import WAIT_S, Served, stop
+from tests.helpers.grpc_served import WAIT_S, Served
 from tests.helpers.raw_http2 import RawClient, message, request_block
 
 
 @pytest.fixture(scope="module")
 def served():
-    s = Served()
-    yield s
-    stop(s)
+    with Served() as s:
+        yield s
 
 
 @contextlib.contextmanager

@@ -16,7 +16,7 @@ from deepinfer_core import SamplingParams
 from deepinfer_proto import worker_pb2, worker_pb2_grpc
 from services.common import auth
 from services.common.errors import ErrorCode, ServiceError
-from services.common.grpc_util import channel, error_from_rpc
+from services.common.grpc_util import channel, error_from_rpc, method_path
 from services.common.h2_grpc.client import H2Channel
 from services.common.params import params_to_proto
 from services.common.workers import POOL_COLOCATED
@@ -142,7 +142,7 @@ async def _serve(servicer):
     stub = auth.stub(worker_pb2_grpc.DecodeStub, channel(f"127.0.0.1:{port}"), "")
     # as the router makes them: SubmitBatch on the package's own client, Submit on grpc.aio
     submit_batch = H2Channel(f"127.0.0.1:{port}").unary_unary(
-        "/deepinfer.v1.Decode/SubmitBatch",
+        method_path(worker_pb2.DESCRIPTOR.services_by_name["Decode"].methods_by_name["SubmitBatch"]),
         worker_pb2.SubmitBatchRequest.SerializeToString,
         worker_pb2.SubmitBatchReply.FromString,
     )

@@ -18,7 +18,7 @@ from typing import Optional
 import grpc
 
 from services.common.h2_grpc import http2, wire
-from services.common.h2_grpc.stream import Stream
+from services.common.h2_grpc.stream import Stream, wake
 
 logger = logging.getLogger(__name__)
 
@@ -41,15 +41,10 @@ class _Status(Exception):
         self.code, self.details = code, details
 
 
-def _wake(waiter: Optional[asyncio.Future]) -> None:
-    if waiter is not None and not waiter.done():
-        waiter.set_result(None)
-
-
 class ServerCall(Stream):
     def __init__(self, conn, stream_id: int, headers: list, peer: str):
         """`conn`: the `GrpcConnection` the call came on."""
-        super().__init__(stream_id)
+        super().__init__(stream_id, conn.initial_window)
         self.conn = conn
         fields = {}
         for key, value in headers:
@@ -135,7 +130,7 @@ class ServerCall(Stream):
     def drained(self) -> None:
         """What waited for the client's windows or the socket went out."""
         waiter, self._drained = self._drained, None
-        _wake(waiter)
+        wake(waiter)
 
     # ---- the handler ----------------------------------------------------------------------------
     async def _run(self, handler) -> None:
@@ -231,7 +226,7 @@ class ServerCall(Stream):
 
     def _wake_reader(self) -> None:
         reader, self._reader = self._reader, None
-        _wake(reader)
+        wake(reader)
 
     def _send_headers(self, metadata=()) -> None:
         self.headers_sent = True

@@ -25,8 +25,9 @@ from typing import Optional
 import grpc
 
 from services.common.h2_grpc import http2, wire
-from services.common.h2_grpc.client_call import ClientCall, resolve, rpc_error
+from services.common.h2_grpc.client_call import ClientCall, rpc_error
 from services.common.h2_grpc.peer import Http2Peer
+from services.common.h2_grpc.stream import wake
 
 _REQUEST_TAIL = http2.header_block(
     [
@@ -43,12 +44,16 @@ def _timeout_header(timeout: float) -> bytes:
     return b"%dm" % ms if ms < 10**8 else b"%dS" % min(timeout, 10**8 - 1)
 
 
+_RESET_STATUS = {http2.REFUSED_STREAM: grpc.StatusCode.UNAVAILABLE, http2.CANCEL: grpc.StatusCode.CANCELLED}
+"""A stream the server reset, as the call's status (any other code: INTERNAL)."""
+
+
 class ClientConnection(Http2Peer):
     client_side = True
+    calls: dict[int, ClientCall]
 
     def __init__(self, authority: bytes, keepalive_s: float, keepalive_timeout_s: float):
         super().__init__(keepalive_s, keepalive_timeout_s)
-        self.calls: dict[int, ClientCall] = {}
         self.authority = authority
         self.usable = True
         """New calls may start here (not told to go away, not lost, stream ids left)."""
@@ -96,8 +101,8 @@ class ClientConnection(Http2Peer):
     def _stream_reset(self, sid: int, code: int) -> None:
         call = self.calls.pop(sid, None)
         if call is not None:
-            status = {http2.REFUSED_STREAM: "UNAVAILABLE", http2.CANCEL: "CANCELLED"}.get(code, "INTERNAL")
-            call.finish(getattr(grpc.StatusCode, status), f"the server reset the stream (HTTP/2 error {code})")
+            status = _RESET_STATUS.get(code, grpc.StatusCode.INTERNAL)
+            call.finish(status, f"the server reset the stream (HTTP/2 error {code})")
 
     def _reset_sent(self, call: ClientCall, code: int) -> None:
         self.calls.pop(call.stream_id, None)
@@ -120,7 +125,7 @@ class ClientConnection(Http2Peer):
     def connection_lost(self, exc) -> None:
         self.usable = False
         super().connection_lost(exc)
-        resolve(self.lost)
+        wake(self.lost)
 
 
 class H2Channel:

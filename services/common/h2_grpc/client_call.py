@@ -12,11 +12,12 @@ from typing import Optional
 import grpc
 
 from services.common.h2_grpc import http2, wire
-from services.common.h2_grpc.stream import Stream
+from services.common.h2_grpc.stream import Stream, wake
 
 _CODES = {status.value[0]: status for status in grpc.StatusCode}
-_HTTP_STATUS = {400: "INTERNAL", 401: "UNAUTHENTICATED", 403: "PERMISSION_DENIED", 404: "UNIMPLEMENTED"}
-_HTTP_STATUS.update({429: "UNAVAILABLE", 502: "UNAVAILABLE", 503: "UNAVAILABLE", 504: "UNAVAILABLE"})
+_S = grpc.StatusCode
+_HTTP_STATUS = {400: _S.INTERNAL, 401: _S.UNAUTHENTICATED, 403: _S.PERMISSION_DENIED, 404: _S.UNIMPLEMENTED}
+_HTTP_STATUS.update({429: _S.UNAVAILABLE, 502: _S.UNAVAILABLE, 503: _S.UNAVAILABLE, 504: _S.UNAVAILABLE})
 """How a response that is not gRPC's maps to a status (gRPC's HTTP-to-status table)."""
 
 
@@ -30,9 +31,8 @@ class ClientCall(Stream):
 
     def __init__(self, conn, stream_id: int, limit: int):
         """`conn`: the `ClientConnection` the call goes on."""
-        super().__init__(stream_id)
+        super().__init__(stream_id, conn.initial_window)
         self.conn = conn
-        self.send_window = conn.initial_window
         self.limit = limit
         self.initial: tuple = ()
         self.status: Optional[tuple[grpc.StatusCode, str, tuple]] = None
@@ -58,14 +58,14 @@ class ClientCall(Stream):
             self._headers_seen = True
             status = fields.get(b":status", b"")
             if status != b"200":
-                code = getattr(grpc.StatusCode, _HTTP_STATUS.get(int(status or 0), "UNKNOWN"))
+                code = _HTTP_STATUS.get(int(status or 0), grpc.StatusCode.UNKNOWN)
                 return self.finish(code, f"the server answered HTTP status {status.decode() or '(none)'}")
             if not fields.get(b"content-type", b"").startswith(b"application/grpc"):
                 return self.finish(grpc.StatusCode.UNKNOWN, "the server's response is not gRPC")
             self._encoding = fields.get(b"grpc-encoding", b"identity").decode("ascii", "replace")
-            self.initial = _metadata(headers)
+            self.initial = wire.metadata_of(headers)
             if not end_stream:
-                resolve(self.headers_arrived)
+                wake(self.headers_arrived)
                 return
         elif not end_stream:
             return self.finish(grpc.StatusCode.INTERNAL, "trailers without END_STREAM")
@@ -76,7 +76,7 @@ class ClientCall(Stream):
         code = _CODES.get(int(value), grpc.StatusCode.UNKNOWN) if value.isdigit() else grpc.StatusCode.UNKNOWN
         if code == grpc.StatusCode.OK and self._buffer:
             code, details = grpc.StatusCode.INTERNAL, "the stream ended inside a message"
-        self.finish(code, details, _metadata(headers))
+        self.finish(code, details, wire.metadata_of(headers))
 
     def on_data(self, data: bytes) -> None:
         self._buffer += data
@@ -96,8 +96,8 @@ class ClientCall(Stream):
         conn.calls.pop(self.stream_id, None)
         if self._deadline is not None:
             self._deadline.cancel()
-        resolve(self.headers_arrived)
-        resolve(self.ended)
+        wake(self.headers_arrived)
+        wake(self.ended)
         self._wake()
         if not conn.usable and not conn.calls and conn.transport is not None:
             conn.transport.close()  # told to go away (or out of stream ids), and its last call is over
@@ -131,13 +131,4 @@ class ClientCall(Stream):
 
     def _wake(self) -> None:
         waiter, self._waiter = self._waiter, None
-        resolve(waiter)
-
-
-def resolve(future: Optional[asyncio.Future]) -> None:
-    if future is not None and not future.done():
-        future.set_result(None)
-
-
-def _metadata(headers: list) -> tuple:
-    return tuple((k, v) for k, v in wire.metadata_of(headers) if k not in ("grpc-status", "grpc-message"))
+        wake(waiter)

@@ -45,11 +45,12 @@ def _request_problem(headers: list) -> Optional[str]:
 
 
 class GrpcConnection(Http2Peer):
+    calls: dict[int, ServerCall]
+
     def __init__(self, server):
         """`server`: the `H2GrpcServer` that accepted it (its methods, limits and keepalive)."""
         super().__init__(server.keepalive_s, server.keepalive_timeout_s)
         self.server = server
-        self.calls: dict[int, ServerCall] = {}
         self.going_away = False
         self.highest_stream_id = 0
         self._preface = True
@@ -109,7 +110,6 @@ class GrpcConnection(Http2Peer):
             self._out += http2.rst_stream(sid, http2.PROTOCOL_ERROR)
             return
         call = ServerCall(self, sid, headers, self.peer_name)
-        call.send_window = self.initial_window
         self.calls[sid] = call
         call.start(self.server)
         if flags & http2.END_STREAM:

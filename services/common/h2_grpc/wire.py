@@ -12,6 +12,7 @@ MESSAGE_PREFIX = 5
 """A message's prefix: a compressed flag (1 byte) and its length (4 bytes, big-endian)."""
 _NOT_METADATA = frozenset(
     {"content-type", "te", "grpc-timeout", "grpc-encoding", "grpc-accept-encoding", "content-length"}
+    | {"grpc-status", "grpc-message"}
 )
 
 
@@ -80,8 +81,8 @@ ACCEPT_ENCODING = "identity,deflate,gzip"
 
 
 def metadata_of(headers) -> tuple:
-    """A request's metadata as `invocation_metadata()` gives it: its headers less the pseudo-headers
-    and gRPC's own, `-bin` values base64-decoded."""
+    """Metadata as `invocation_metadata()` (a request's) or `trailing_metadata()` (a response's) gives
+    it: the headers less the pseudo-headers and gRPC's own, `-bin` values base64-decoded."""
     out = []
     for key, value in headers:
         key = key.decode("ascii")

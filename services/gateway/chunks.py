@@ -58,6 +58,12 @@ def _scalar(v: Any) -> str:
 
 DONE = b"data: [DONE]\n\n"
 
+
+class Last(bytes):
+    """A stream's last bytes, `[DONE]` at their end: the body's end goes out in the same write."""
+
+    __slots__ = ()
+
 _RUNNING = ', "logprobs": null, "finish_reason": null, "stop_reason": null}], "usage": null}\n\n'
 """The end of a chunk that is neither the last of its choice nor carries logprobs."""
 

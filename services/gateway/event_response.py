@@ -14,6 +14,10 @@ to its end, failed, or never started.
 
 A request's fast lane (`sse_lane.py`) is given the server's `send` once the response has started:
 from then on its ordinary mid-stream events are written to the connection without the pump.
+
+The response head waits for the first event and, on uvicorn's httptools server, leaves in the same
+write (`uvicorn_cycle.start_with_chunk`); the stream's `Last` item ends the body in its own write.
+A stream is two writes besides what the lane writes, where it was four.
 """
 
 from __future__ import annotations
@@ -24,8 +28,9 @@ from collections.abc import AsyncIterator
 from fastapi import FastAPI
 from starlette.responses import StreamingResponse
 
-from services.gateway.chunks import DONE
+from services.gateway.chunks import Last
 from services.gateway.client_watch import ClientWatch
+from services.gateway.uvicorn_cycle import start_with_chunk
 
 SERVER_SEND = "deepinfer.server_send"
 """Scope key: the HTTP server's own `send`, outside every middleware."""
@@ -75,12 +80,8 @@ class EventStream(StreamingResponse):
             self._on_end()
 
     async def _stream(self, scope, send, watch: ClientWatch) -> None:
-        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
-        server_send = scope.get(SERVER_SEND, send)  # no SERVER_SEND: a test client
-        if self._lane is not None:
-            self._lane.connect(server_send)
         # in tasks of their own: each wake-up resumes the stream's frames, not every ASGI layer's above it
-        pump = asyncio.ensure_future(self._pump(server_send))
+        pump = asyncio.ensure_future(self._pump(send, scope.get(SERVER_SEND, send)))  # no SERVER_SEND: a test client
         try:
             await asyncio.wait((pump, watch.task), return_when=asyncio.FIRST_COMPLETED)
         finally:
@@ -90,14 +91,29 @@ class EventStream(StreamingResponse):
         if not pump.cancelled() and pump.exception() is not None:
             raise pump.exception()
 
-    async def _pump(self, send) -> None:
+    async def _pump(self, send, server_send) -> None:
         events = self.body_iterator
         try:
+            first = await anext(events, None)
+            start = {"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers}
+            if first is None or type(first) is Last or send is not server_send:  # `send` wrapped: the app's layers see the start
+                await send(start)
+            elif await start_with_chunk(send, start, first):
+                first = b""  # out with the head
+            else:
+                await send(start)
+            if self._lane is not None:
+                self._lane.connect(server_send)
+            if first:
+                await server_send({"type": "http.response.body", "body": first, "more_body": type(first) is not Last})
+            if type(first) is Last:
+                return
             async for event in events:
-                if event is DONE:  # always the last: the body's end goes out in the same write
-                    await send({"type": "http.response.body", "body": event, "more_body": False})
+                # `Last` ends the stream: the body's end goes out in the same write
+                more = type(event) is not Last
+                await server_send({"type": "http.response.body", "body": event, "more_body": more})
+                if not more:
                     return
-                await send({"type": "http.response.body", "body": event, "more_body": True})
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            await server_send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:
             await events.aclose()  # its clean-up now (an abort upstream), not whenever it is collected

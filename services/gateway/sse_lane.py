@@ -26,11 +26,8 @@ from typing import Optional
 
 from services.common.fast_lane import COUNTS
 from services.gateway.front_lane import FrontLane
+from services.gateway.uvicorn_cycle import chunked_cycle
 from services.native import NativeLane
-
-_UVICORN_CYCLE = "uvicorn.protocols.http.httptools_impl"
-"""The uvicorn protocol whose cycle the lane writes to (its body framing is `send`'s, above). Under
-h11 (`--http h11`) the framing is h11's own, and the chain writes every event."""
 
 
 class SseLane(FrontLane):
@@ -60,10 +57,8 @@ class SseLane(FrontLane):
 
     def connect(self, send) -> None:
         """`send`: the HTTP server's own (`EventStream`); the response has started."""
-        cycle = getattr(send, "__self__", None)
-        if type(cycle).__module__ != _UVICORN_CYCLE or cycle.chunked_encoding is not True:
-            return
-        if cycle.scope.get("method") == "HEAD" or not cycle.response_started:
+        cycle = chunked_cycle(send)
+        if cycle is None:
             return
         self._cycle, self._transport, self._flow = cycle, cycle.transport, cycle.flow
 

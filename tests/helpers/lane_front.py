@@ -194,3 +194,13 @@ def read_response(sock: socket.socket) -> tuple[bytes, list[bytes]]:
         if size == 0:
             return head, chunks
         chunks.append(chunk)
+
+
+def sse_events(chunks: list[bytes]) -> list[bytes]:
+    """The SSE events of a body's chunks (`read_response`), each `data: ...\\n\\n`. Every chunk is
+    whole events: one, as uvicorn's `send` writes them, but the last, which ends with `[DONE]` and
+    may carry the events before it (a stream's end leaves in one write)."""
+    for c in chunks:
+        assert c.startswith(b"data: ") and c.endswith(b"\n\n") and (c.count(b"\n\n") == 1 or c is chunks[-1]), c
+    assert chunks[-1].endswith(b"data: [DONE]\n\n"), chunks[-1]
+    return [e + b"\n\n" for c in chunks for e in c.split(b"\n\n")[:-1]]

@@ -174,3 +174,62 @@ def test_a_server_cancel_is_not_mistaken_for_the_client_leaving():
         watch.stop()
 
     _run(run())
+
+
+def _served_writes(events, http: str = "httptools") -> list[bytes]:
+    """What uvicorn's HTTP/1.1 protocol (`http`) writes for one request to a direct route that
+    answers with `EventStream(events)`, write by write."""
+    import uvicorn
+    from uvicorn.server import ServerState
+
+    from benchmarks.gateway_path_parts import CountingTransport, http_request
+    from services.gateway.event_response import EventStreamApp
+
+    async def route(scope, receive, send):
+        await EventStream(events(), on_end=lambda: None)(scope, receive, send)
+
+    async def run():
+        app = EventStreamApp()
+        app.direct[("POST", "/s")] = route
+        config = uvicorn.Config(app, http=http, lifespan="off", log_level="warning")
+        config.load()
+        state = ServerState()
+        protocol = config.http_protocol_class(config=config, server_state=state, app_state={})
+        transport = CountingTransport(10000, keep=True)
+        protocol.connection_made(transport)
+        protocol.data_received(http_request("/s", b"{}"))
+        await asyncio.gather(*state.tasks)
+        protocol.connection_lost(None)
+        return transport.kept
+
+    return _run(run())
+
+
+def test_on_uvicorn_the_head_leaves_with_the_first_event_and_the_end_with_the_last():
+    from services.gateway.chunks import Last
+
+    async def events():
+        yield b"data: 1\n\n"
+        yield b"data: 2\n\n"
+        yield Last(b"data: 3\n\ndata: [DONE]\n\n")
+
+    writes = _served_writes(events)
+    assert len(writes) == 3, writes
+    head, first = writes[0].split(b"\r\n\r\n", 1)
+    assert head.startswith(b"HTTP/1.1 200 OK\r\n") and b"transfer-encoding: chunked" in head
+    assert first == b"9\r\ndata: 1\n\n\r\n"
+    assert writes[1:] == [b"9\r\ndata: 2\n\n\r\n", b"17\r\ndata: 3\n\ndata: [DONE]\n\n\r\n0\r\n\r\n"]
+    # the same bytes as four writes would have carried: the head uvicorn builds, the framing `send` gives
+    reference = _served_writes(events, http="h11")
+    assert b"".join(writes).lower() == b"".join(reference).lower().replace(b"server: h11\r\n", b"")
+
+
+def test_a_stream_of_one_item_is_its_head_and_then_its_end():
+    from services.gateway.chunks import Last
+
+    async def events():
+        yield Last(b"data: 1\n\ndata: [DONE]\n\n")
+
+    writes = _served_writes(events)
+    assert len(writes) == 2 and writes[0].endswith(b"\r\n\r\n"), writes
+    assert writes[1] == b"17\r\ndata: 1\n\ndata: [DONE]\n\n\r\n0\r\n\r\n"

@@ -21,7 +21,7 @@ import pytest
 from benchmarks.token_source import WORDS, expected_tokens
 from services.common.fast_lane import COUNTS
 from services.gateway import http_app
-from tests.helpers.lane_front import WAIT_S, concurrently, post, read_response, taken_by, token_source_head
+from tests.helpers.lane_front import WAIT_S, concurrently, post, read_response, sse_events, taken_by, token_source_head
 
 _LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
 _VOLATILE = re.compile(rb'"id": "(cmpl|chatcmpl)-[0-9a-f]+", "object": "([a-z._]+)", "created": \d+')
@@ -43,10 +43,8 @@ def without_lane(monkeypatch):
 
 
 def _events(chunks: list[bytes]) -> list[bytes]:
-    """Each chunk is one whole SSE event (as uvicorn's `send` writes them); ids and times made equal."""
-    for c in chunks:
-        assert c.startswith(b"data: ") and c.endswith(b"\n\n") and c.count(b"\n\n") == 1, c
-    return [_VOLATILE.sub(rb'"id": "\1-x", "object": "\2", "created": 0', c) for c in chunks]
+    """The body's events (`sse_events`), ids and times made equal."""
+    return [_VOLATILE.sub(rb'"id": "\1-x", "object": "\2", "created": 0', e) for e in sse_events(chunks)]
 
 
 def _check_format(event: bytes) -> dict:

@@ -13,7 +13,7 @@ from services.common.fast_lane import COUNTS
 from services.gateway import http_app
 from services.metrics import definitions as m
 from services.workers.spec import EngineSettings
-from tests.helpers.lane_front import LaneHead, post, read_response
+from tests.helpers.lane_front import LaneHead, post, read_response, sse_events
 
 ARGS = EngineSettings(device="cpu", num_gpu_blocks=96, max_model_len=128, block_size=8)
 PROMPT = [5, 6, 7, 8, 9, 10, 11]
@@ -31,8 +31,7 @@ def _body(**fields) -> dict:
 
 
 def _objs(chunks: list[bytes]) -> list[dict]:
-    assert chunks[-1] == b"data: [DONE]\n\n"
-    return [json.loads(c[len(b"data: ") : -2]) for c in chunks[:-1]]
+    return [json.loads(e[len(b"data: ") : -2]) for e in sse_events(chunks)[:-1]]
 
 
 def _text(objs: list[dict]) -> str:

@@ -102,7 +102,9 @@ def test_waiting_deltas_go_out_as_one_event_with_their_joined_text_and_exact_usa
         fmt = Formatter(core.tokenizer, "cmpl-1", "m", None)
         return [e async for e in completion_events(core, [[3, 1]], params, fmt, include_usage=True)]
 
-    events = [json.loads(e[6:]) for e in _run(run())[:-1]]
+    items = _run(run())
+    assert items[-1].endswith(b"data: [DONE]\n\n") and all(not i.endswith(b"[DONE]\n\n") for i in items[:-1])
+    events = [json.loads(e[6:]) for e in b"".join(items).split(b"\n\n")[:-2]]  # the last item: the end's events
     chunks, last = events[:-1], events[-1]
     assert len(chunks) == n * -(-max_tokens // burst)  # one event per burst and sample, not one per token
     for i in range(n):

@@ -64,6 +64,7 @@ class Last(bytes):
 
     __slots__ = ()
 
+
 _RUNNING = ', "logprobs": null, "finish_reason": null, "stop_reason": null}], "usage": null}\n\n'
 """The end of a chunk that is neither the last of its choice nor carries logprobs."""
 

@@ -96,7 +96,9 @@ class EventStream(StreamingResponse):
         try:
             first = await anext(events, None)
             start = {"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers}
-            if first is None or type(first) is Last or send is not server_send:  # `send` wrapped: the app's layers see the start
+            if (
+                first is None or type(first) is Last or send is not server_send
+            ):  # `send` wrapped: the app's layers see the start
                 await send(start)
             elif await start_with_chunk(send, start, first):
                 first = b""  # out with the head

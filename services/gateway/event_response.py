@@ -95,27 +95,34 @@ class EventStream(StreamingResponse):
         events = self.body_iterator
         try:
             first = await anext(events, None)
-            start = {"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers}
-            if (
-                first is None or type(first) is Last or send is not server_send
-            ):  # `send` wrapped: the app's layers see the start
-                await send(start)
-            elif await start_with_chunk(send, start, first):
-                first = b""  # out with the head
-            else:
-                await send(start)
+            with_head = await self._start(send, server_send, first)
             if self._lane is not None:
                 self._lane.connect(server_send)
-            if first:
-                await server_send({"type": "http.response.body", "body": first, "more_body": type(first) is not Last})
-            if type(first) is Last:
+            if first is None:  # no events at all
+                await server_send({"type": "http.response.body", "body": b"", "more_body": False})
+                return
+            if not with_head and not await _send_event(server_send, first):
                 return
             async for event in events:
-                # `Last` ends the stream: the body's end goes out in the same write
-                more = type(event) is not Last
-                await server_send({"type": "http.response.body", "body": event, "more_body": more})
-                if not more:
+                if not await _send_event(server_send, event):
                     return
             await server_send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:
             await events.aclose()  # its clean-up now (an abort upstream), not whenever it is collected
+
+    async def _start(self, send, server_send, first) -> bool:
+        """Start the response; whether `first` (the first event) went out in the same write."""
+        start = {"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers}
+        # a `send` of the app's layers must see the start go by; a `Last` goes with the body's end
+        if first is not None and type(first) is not Last and send is server_send:
+            if await start_with_chunk(send, start, first):
+                return True
+        await send(start)
+        return False
+
+
+async def _send_event(send, event: bytes) -> bool:
+    """Send `event`; False when it was the stream's `Last`, which ends the body in the same write."""
+    more = type(event) is not Last
+    await send({"type": "http.response.body", "body": event, "more_body": more})
+    return more

@@ -233,3 +233,18 @@ def test_a_stream_of_one_item_is_its_head_and_then_its_end():
     writes = _served_writes(events)
     assert len(writes) == 2 and writes[0].endswith(b"\r\n\r\n"), writes
     assert writes[1] == b"17\r\ndata: 1\n\ndata: [DONE]\n\n\r\n0\r\n\r\n"
+
+
+def test_a_stream_with_no_events_is_a_started_and_ended_body():
+    async def events():
+        return
+        yield
+
+    async def run():
+        conn = _Connection()
+        await EventStream(events(), on_end=lambda: None)(conn.scope(), conn.receive, conn.app_send)
+        return conn
+
+    conn = _run(run())
+    assert [m["type"] for m in conn.app_sent] == ["http.response.start"]
+    assert [(m["body"], m["more_body"]) for m in conn.server_sent] == [(b"", False)]

@@ -15,14 +15,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import multiprocessing as mp
 import os
 import platform
 import time
 
 import grpc
 
-from benchmarks.service_layer_procs import cpu_delta, cpu_times
+from benchmarks.floor_harness import run_floor
 
 MESSAGE = b"\x0a\x20" + b"r" * 32 + b"\x12\x12\x08\x05\x12\x02\x81\x01\x18\x07\x22\x06 hello"
 """About a `GenerateResponse` of one token: its request id, offsets, the token and its text."""
@@ -84,36 +83,17 @@ def _client_main(port: int, streams: int, calls: int, go, results) -> None:
 
 
 def measure(kind: str, streams: int, messages: int, step_s: float, clients: int, calls: int = 1) -> dict:
-    ctx = mp.get_context("spawn")
-    ready, stop, go = ctx.Event(), ctx.Event(), ctx.Event()
-    port, results = ctx.Value("i", 0), ctx.Queue()
-    server = ctx.Process(target=_server_main, args=(kind, messages, step_s, ready, port, stop), daemon=True)
-    server.start()
-    if not ready.wait(60):
-        raise RuntimeError(f"the {kind} server did not start")
-    per = [streams // clients + (i < streams % clients) for i in range(clients)]
-    procs = [ctx.Process(target=_client_main, args=(port.value, n, calls, go, results), daemon=True) for n in per]
-    for p in procs:
-        p.start()
-    time.sleep(2.0)  # the clients' imports and channels
-    cpu0, t0 = cpu_times(server.pid), time.monotonic()
-    go.set()
-    done = [results.get(timeout=600) for _ in procs]
-    cpu1, t1 = cpu_times(server.pid), time.monotonic()
-    stop.set()
-    server.join(10)
-    for p in procs:
-        p.join(10)
-    delivered = sum(d[0] for d in done)
+    run = run_floor(_server_main, (kind, messages, step_s), _client_main, (calls,), streams, clients, 600)
+    delivered = sum(d[0] for d in run.results)
     if delivered != streams * messages * calls:
         raise RuntimeError(f"{kind}: {delivered} messages delivered of {streams * messages * calls}")
     return {
         "server": kind,
         "messages": delivered,
-        "seconds": t1 - t0,
-        "server_us": cpu_delta(cpu0, cpu1) / delivered * 1e6,
-        "server_us_call": cpu_delta(cpu0, cpu1) / (streams * calls) * 1e6,
-        "clients_us": sum(d[1] for d in done) / delivered * 1e6,
+        "seconds": run.seconds,
+        "server_us": run.server_cpu_s / delivered * 1e6,
+        "server_us_call": run.server_cpu_s / (streams * calls) * 1e6,
+        "clients_us": sum(d[1] for d in run.results) / delivered * 1e6,
     }
 
 

@@ -24,12 +24,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import multiprocessing as mp
 import os
 import platform
 import time
 
-from benchmarks.service_layer_procs import cpu_delta, cpu_times
+from benchmarks.floor_harness import run_floor
 
 EVENT = (
     b'data: {"id": "cmpl-0123456789abcdef0123456789abcdef", "object": "text_completion", "created": 1796688208, '
@@ -151,38 +150,18 @@ def _client_main(port: int, streams: int, seconds: float, go, results) -> None:
 
 
 def measure(kind: str, streams: int, events: int, step_s: float, clients: int, seconds: float) -> dict:
-    ctx = mp.get_context("spawn")
-    ready, stop, go = ctx.Event(), ctx.Event(), ctx.Event()
-    port, results = ctx.Value("i", 0), ctx.Queue()
-    server = ctx.Process(target=_server_main, args=(kind, events, step_s, ready, port, stop), daemon=True)
-    server.start()
-    if not ready.wait(60):
-        raise RuntimeError("the server did not start")
-    per = [streams // clients + (i < streams % clients) for i in range(clients)]
-    procs = [ctx.Process(target=_client_main, args=(port.value, n, seconds, go, results), daemon=True) for n in per]
-    for p in procs:
-        p.start()
-    time.sleep(2.0)  # the clients' imports
-    cpu0, t0 = cpu_times(server.pid), time.monotonic()
-    go.set()
-    done = [results.get(timeout=seconds + 120) for _ in procs]
-    cpu1, t1 = cpu_times(server.pid), time.monotonic()
-    stop.set()
-    server.join(10)
-    for p in procs:
-        p.join(10)
-    delivered, requests = sum(d[0] for d in done), sum(d[1] for d in done)
+    run = run_floor(_server_main, (kind, events, step_s), _client_main, (seconds,), streams, clients, seconds + 120)
+    delivered, requests = sum(d[0] for d in run.results), sum(d[1] for d in run.results)
     if delivered != requests * events:
         raise RuntimeError(f"{delivered} events delivered for {requests} requests of {events}")
-    cpu = cpu_delta(cpu0, cpu1)
     return {
         "server": kind,
         "events": delivered,
         "requests": requests,
-        "seconds": t1 - t0,
-        "server_us": cpu / delivered * 1e6,
-        "server_us_request": cpu / requests * 1e6,
-        "clients_us": sum(d[2] for d in done) / delivered * 1e6,
+        "seconds": run.seconds,
+        "server_us": run.server_cpu_s / delivered * 1e6,
+        "server_us_request": run.server_cpu_s / requests * 1e6,
+        "clients_us": sum(d[2] for d in run.results) / delivered * 1e6,
     }
 
 

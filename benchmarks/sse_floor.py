@@ -93,6 +93,9 @@ def _uvicorn_main(events: int, step_s: float, ready, port_box, stop) -> None:
     import uvicorn
     import uvloop
 
+    tick = [None]
+    """The event every stream waits for between two of its events, replaced each tick."""
+
     async def app(scope, receive, send) -> None:
         await receive()
         await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
@@ -100,8 +103,6 @@ def _uvicorn_main(events: int, step_s: float, ready, port_box, stop) -> None:
             await send({"type": "http.response.body", "body": EVENT, "more_body": True})
             await tick[0].wait()
         await send({"type": "http.response.body", "body": EVENT + DONE, "more_body": False})
-
-    tick = [None]
 
     async def main() -> None:
         tick[0] = asyncio.Event()

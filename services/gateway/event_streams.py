@@ -96,7 +96,7 @@ class _End:
 
     def keeps(self, event: bytes, delta) -> bool:
         """Whether `event` is the one that finishes the last running choice (then kept here)."""
-        if delta.finish_reason is None:
+        if not delta.finished:
             return False
         self._running -= 1
         if self._running:

@@ -5,8 +5,9 @@ event in one write.
 uvicorn's `send` writes the head of a response as soon as it is given `http.response.start`, and
 each body chunk in a write of its own. A streamed completion's first event is ready when its head
 is (`http_app._started` waits for the first delta before answering), so the two can leave in one
-segment: over loopback a segment costs the sender ~12 µs of kernel time (its receiver's TCP
-processing and wake-up run on the sender's CPU), as much as the rest of a token's path together.
+segment. On the 2-core machine a server spends 9-13 µs of CPU on each event it writes
+(`benchmarks/sse_floor.py`), most of it in the kernel: over loopback the receiver's TCP processing
+and wake-up run on the sender's CPU.
 
 Only the cycle of `_UVICORN_CYCLE` is used; with any other server (h11, a test client) the caller
 sends the head and the event as usual.
